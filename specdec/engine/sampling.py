@@ -1,0 +1,51 @@
+"""Turning logits into next tokens: greedy argmax or temperature/top-p sampling."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from specdec.errors import SpecdecError
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 0.0  # 0 means greedy
+    top_p: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.temperature < 0:
+            raise SpecdecError(f"generation.temperature={self.temperature} is negative; use 0 (greedy) or more")
+        if not 0 < self.top_p <= 1:
+            raise SpecdecError(f"generation.top_p={self.top_p} is outside (0, 1]; use for example 0.9 or 1.0")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def warp(logits: Tensor, params: SamplingParams) -> Tensor:
+    """Probabilities (..., V) after temperature and nucleus (top-p) filtering, in float32.
+
+    Draft and target go through this same function, so speculative sampling compares the very
+    distributions that plain sampling would draw from.
+    """
+    probs = torch.softmax(logits.float() / params.temperature, dim=-1)
+    if params.top_p < 1:
+        sorted_p, order = probs.sort(dim=-1, descending=True)
+        before = sorted_p.cumsum(-1) - sorted_p  # mass strictly above each token
+        sorted_p = sorted_p.masked_fill(before >= params.top_p, 0.0)  # the top token always stays
+        probs = torch.zeros_like(probs).scatter(-1, order, sorted_p)
+        probs = probs / probs.sum(-1, keepdim=True)
+    return probs
+
+
+def sample(probs: Tensor, generator: torch.Generator | None) -> int:
+    return int(torch.multinomial(probs, 1, generator=generator))
+
+
+def check_finite(logits: Tensor) -> None:
+    if not torch.isfinite(logits).all():
+        raise SpecdecError("the model produced NaN or inf logits; try model.dtype=fp32, or check the weights")

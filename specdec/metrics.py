@@ -1,0 +1,146 @@
+"""Per-turn answer rows -> summary.json (CONTRACT.md), plus the breakdowns researchers ask for."""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections import Counter, defaultdict
+from collections.abc import Iterable
+from typing import Any
+
+Row = dict[str, Any]
+
+
+def _ci95(values: list[float]) -> float | None:
+    """Half-width of a 95% t interval of the mean (None for fewer than two values)."""
+    if len(values) < 2:
+        return None
+    from scipy import stats
+
+    return float(stats.t.ppf(0.975, len(values) - 1) * statistics.stdev(values) / math.sqrt(len(values)))
+
+
+def _percentiles(values: list[float]) -> dict[str, float] | None:
+    if not values:
+        return None
+    qs = statistics.quantiles(values, n=20, method="inclusive") if len(values) > 1 else [values[0]] * 19
+    return {"p50": qs[9], "p90": qs[17], "p95": qs[18], "mean": statistics.fmean(values)}
+
+
+def strategy_metrics(rows: list[Row]) -> dict[str, Any]:
+    """The contract's fields for one strategy's rows, and extras (additions never rename)."""
+    tokens = sum(r["new_tokens"] for r in rows)
+    wall = sum(r["wall_time_s"] for r in rows)
+    accs = [a for r in rows if r.get("accept_lengths") is not None for a in r["accept_lengths"]]
+    proposed = sum(r.get("proposed_tokens") or 0 for r in rows)
+    accepted = sum(r.get("accepted_tokens") or 0 for r in rows)
+    tpots = [(r["wall_time_s"] - r["ttft_s"]) / (r["new_tokens"] - 1) for r in rows if r["new_tokens"] > 1]
+    ttfts = [r["ttft_s"] for r in rows]
+    by_pos_p: list[int] = []
+    by_pos_a: list[int] = []
+    for r in rows:
+        for i, (p, a) in enumerate(zip(r.get("proposed_by_pos") or [], r.get("accepted_by_pos") or [])):
+            if i == len(by_pos_p):
+                by_pos_p.append(0)
+                by_pos_a.append(0)
+            by_pos_p[i] += p
+            by_pos_a[i] += a
+    steps = sum(r["decode_steps"] for r in rows if r.get("decode_steps") is not None)
+    draft_time = sum(r.get("draft_time_s") or 0.0 for r in rows)
+    decode_time = sum(r["wall_time_s"] - r["ttft_s"] for r in rows if r.get("decode_steps") is not None)
+    return {
+        "tokens_per_s": tokens / wall if wall > 0 else 0.0,
+        "speedup": None,  # filled in against the baseline
+        "mean_accepted_tokens": statistics.fmean(accs) if accs else None,
+        "acceptance_rate": accepted / proposed if proposed else None,
+        "ttft_s": statistics.fmean(ttfts) if ttfts else 0.0,
+        "tpot_s": statistics.fmean(tpots) if tpots else 0.0,
+        "new_tokens": tokens,
+        "wall_time_s": wall,
+        "matches_baseline": None,
+        "turns": len(rows),
+        "decode_steps": steps,
+        "step_time_s": decode_time / steps if steps else None,  # mean time of one decode step
+        "draft_time_share": draft_time / decode_time if decode_time > 0 else None,
+        "acceptance_by_position": [a / p for a, p in zip(by_pos_a, by_pos_p)] if by_pos_p else None,
+        "accept_length_histogram": dict(sorted(Counter(accs[1:] if accs else []).items())) or None,
+        "ttft_distribution": _percentiles(ttfts),
+        "tpot_distribution": _percentiles(tpots),
+    }
+
+
+def _matches(rows: list[Row], base_rows: list[Row]) -> float | None:
+    base = {(r["question_id"], r["turn"], r.get("repeat", 0)): r["output_ids"] for r in base_rows}
+    pairs = [(r["output_ids"], base.get((r["question_id"], r["turn"], r.get("repeat", 0)))) for r in rows]
+    pairs = [(a, b) for a, b in pairs if b is not None]
+    return sum(a == b for a, b in pairs) / len(pairs) if pairs else None
+
+
+def summarize(rows: Iterable[Row], baseline: str, temperature: float, order: list[str] | None = None,
+              config: dict[str, Any] | None = None) -> dict[str, Any]:
+    rows = list(rows)
+    by_strategy: dict[str, list[Row]] = defaultdict(list)
+    for r in rows:
+        by_strategy[r["strategy"]].append(r)
+    names = [n for n in (order or []) if n in by_strategy] + sorted(set(by_strategy) - set(order or []))
+    out: dict[str, Any] = {}
+    for name in names:
+        s = strategy_metrics(by_strategy[name])
+        s["categories"] = {c: _strip(strategy_metrics(rs))
+                           for c, rs in sorted(_group(by_strategy[name], "category").items())}
+        s["repeats"] = _repeat_stats(by_strategy[name])
+        out[name] = s
+    base = out.get(baseline)
+    for name, s in out.items():
+        if base and base["tokens_per_s"] > 0:
+            s["speedup"] = s["tokens_per_s"] / base["tokens_per_s"]
+            for c, cs in s["categories"].items():
+                bc = base["categories"].get(c)
+                cs["speedup"] = cs["tokens_per_s"] / bc["tokens_per_s"] if bc and bc["tokens_per_s"] else None
+        if temperature == 0 and base is not None:
+            s["matches_baseline"] = _matches(by_strategy[name], by_strategy[baseline])
+        s["predicted_speedup"] = _predicted(s, base)
+    return {"baseline": baseline, "strategies": out, "config": config or {}}
+
+
+def _predicted(s: dict[str, Any], base: dict[str, Any] | None) -> float | None:
+    """Speedup the measured acceptance predicts: tau / (step cost relative to a baseline step).
+
+    Beside the realized speedup it separates what acceptance buys from what the engine costs.
+    """
+    if not base or not s.get("step_time_s") or not base.get("step_time_s") or not s["mean_accepted_tokens"]:
+        return None
+    tau_base = base["mean_accepted_tokens"] or 1.0
+    return (s["mean_accepted_tokens"] / tau_base) / (s["step_time_s"] / base["step_time_s"])
+
+
+def _group(rows: list[Row], key: str) -> dict[str, list[Row]]:
+    groups: dict[str, list[Row]] = defaultdict(list)
+    for r in rows:
+        groups[r[key]].append(r)
+    return groups
+
+
+def _strip(m: dict[str, Any]) -> dict[str, Any]:
+    keep = ("tokens_per_s", "mean_accepted_tokens", "acceptance_rate", "new_tokens", "wall_time_s", "turns")
+    return {k: m[k] for k in keep}
+
+
+def _repeat_stats(rows: list[Row]) -> dict[str, Any] | None:
+    reps = _group(rows, "repeat") if any("repeat" in r for r in rows) else {}
+    if len(reps) < 2:
+        return None
+    tps = [sum(r["new_tokens"] for r in rs) / sum(r["wall_time_s"] for r in rs) for rs in reps.values()]
+    return {"n": len(tps), "tokens_per_s_mean": statistics.fmean(tps), "tokens_per_s_ci95": _ci95(tps),
+            "tokens_per_s": tps}
+
+
+def add_speedup_ci(summary: dict[str, Any]) -> None:
+    """Per-repeat speedups (both strategies timed in the same repeat) with a 95% interval."""
+    base = summary["strategies"].get(summary["baseline"], {}).get("repeats")
+    for s in summary["strategies"].values():
+        reps = s.get("repeats")
+        if base and reps and len(reps["tokens_per_s"]) == len(base["tokens_per_s"]):
+            ratios = [a / b for a, b in zip(reps["tokens_per_s"], base["tokens_per_s"])]
+            reps["speedup_mean"] = statistics.fmean(ratios)
+            reps["speedup_ci95"] = _ci95(ratios)

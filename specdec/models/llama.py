@@ -1,0 +1,224 @@
+"""A compact Llama-family decoder (Llama, Mistral, Qwen2, SmolLM2) over a static KV cache.
+
+Loads Hugging Face weights by name; fuses q/k/v and gate/up so one decode step launches few kernels.
+Every forward takes explicit positions and an optional mask among the new tokens, so the same code
+serves prefill, single-token decode, draft chains and token trees.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from specdec.engine.kv_cache import KVCache
+from specdec.errors import SpecdecError
+
+SUPPORTED_TYPES = ("llama", "mistral", "qwen2")
+
+
+@dataclass(frozen=True)
+class LlamaArgs:
+    vocab_size: int
+    dim: int
+    hidden_dim: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    norm_eps: float
+    rope_theta: float
+    max_position: int
+    tie_embeddings: bool
+    qkv_bias: bool
+    o_bias: bool
+    rope_scaling: dict[str, Any] | None = None
+
+    @classmethod
+    def from_hf(cls, cfg: Any) -> LlamaArgs:
+        if cfg.model_type not in SUPPORTED_TYPES:
+            raise SpecdecError(f"model type {cfg.model_type!r} has no compact implementation "
+                               f"({', '.join(SUPPORTED_TYPES)}); use model.backend=hf")
+        # transformers >= 5 keeps theta and scaling together in rope_parameters; older configs split them
+        rope = dict(getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {})
+        theta = rope.get("rope_theta", getattr(cfg, "rope_theta", None)) or 10000.0
+        kind = rope.get("rope_type", rope.get("type", "default"))
+        if kind not in ("default", "llama3"):
+            raise SpecdecError(f"rope scaling {kind!r} is not implemented in the compact model; "
+                               "use model.backend=hf")
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        qwen = cfg.model_type == "qwen2"
+        bias = bool(getattr(cfg, "attention_bias", False))
+        return cls(
+            vocab_size=cfg.vocab_size, dim=cfg.hidden_size, hidden_dim=cfg.intermediate_size,
+            n_layers=cfg.num_hidden_layers, n_heads=cfg.num_attention_heads,
+            n_kv_heads=getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads,
+            head_dim=head_dim, norm_eps=cfg.rms_norm_eps,
+            rope_theta=float(theta),
+            max_position=cfg.max_position_embeddings,
+            tie_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
+            qkv_bias=qwen or bias, o_bias=bias and not qwen,
+            rope_scaling=rope if kind == "llama3" else None,
+        )
+
+
+def rope_inv_freq(args: LlamaArgs) -> Tensor:
+    d = args.head_dim
+    inv = 1.0 / (args.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
+    s = args.rope_scaling
+    if s:  # Llama 3.x: stretch low frequencies, keep high ones, blend in between
+        factor, low, high = s["factor"], s["low_freq_factor"], s["high_freq_factor"]
+        old = s["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv
+        smooth = ((old / wavelen) - low) / (high - low)
+        scaled = torch.where(wavelen > old / low, inv / factor, inv)
+        mid = (wavelen <= old / low) & (wavelen >= old / high)
+        inv = torch.where(mid, (1 - smooth) * inv / factor + smooth * inv, scaled)
+    return inv.float()
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        # Normalise in fp32 like the reference so bf16 runs agree on argmax as often as possible.
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    # x: (B, H, T, D); cos/sin: (B, 1, T, D) in the rotate-half layout Hugging Face checkpoints use
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, args: LlamaArgs, layer: int) -> None:
+        super().__init__()
+        self.layer = layer
+        self.n_heads, self.n_kv, self.head_dim = args.n_heads, args.n_kv_heads, args.head_dim
+        qkv_out = (args.n_heads + 2 * args.n_kv_heads) * args.head_dim
+        self.wqkv = nn.Linear(args.dim, qkv_out, bias=args.qkv_bias)
+        self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=args.o_bias)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, cache: KVCache, mask: Tensor | None) -> Tensor:
+        B, T, _ = x.shape
+        H, Hkv, D = self.n_heads, self.n_kv, self.head_dim
+        q, k, v = self.wqkv(x).split([H * D, Hkv * D, Hkv * D], dim=-1)
+        q = apply_rope(q.view(B, T, H, D).transpose(1, 2), cos, sin)  # (B, H, T, D)
+        k = apply_rope(k.view(B, T, Hkv, D).transpose(1, 2), cos, sin)  # (B, Hkv, T, D)
+        v = v.view(B, T, Hkv, D).transpose(1, 2)
+        keys, values = cache.write(self.layer, k, v)  # (B, Hkv, S, D), S = filled + T
+        y = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=H != Hkv)
+        return self.wo(y.transpose(1, 2).reshape(B, T, H * D))
+
+
+class MLP(nn.Module):
+    def __init__(self, args: LlamaArgs) -> None:
+        super().__init__()
+        self.hidden_dim = args.hidden_dim
+        self.w_gate_up = nn.Linear(args.dim, 2 * args.hidden_dim, bias=False)
+        self.w_down = nn.Linear(args.hidden_dim, args.dim, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        gate, up = self.w_gate_up(x).split(self.hidden_dim, dim=-1)
+        return self.w_down(F.silu(gate) * up)
+
+
+class Block(nn.Module):
+    def __init__(self, args: LlamaArgs, layer: int) -> None:
+        super().__init__()
+        self.attn_norm = RMSNorm(args.dim, args.norm_eps)
+        self.attn = Attention(args, layer)
+        self.mlp_norm = RMSNorm(args.dim, args.norm_eps)
+        self.mlp = MLP(args)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, cache: KVCache, mask: Tensor | None) -> Tensor:
+        x = x + self.attn(self.attn_norm(x), cos, sin, cache, mask)
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class Llama(nn.Module):
+    def __init__(self, args: LlamaArgs) -> None:
+        super().__init__()
+        self.args = args
+        self.embed = nn.Embedding(args.vocab_size, args.dim)
+        self.layers = nn.ModuleList(Block(args, i) for i in range(args.n_layers))
+        self.norm = RMSNorm(args.dim, args.norm_eps)
+        self.lm_head = nn.Linear(args.dim, args.vocab_size, bias=False)
+        self.register_buffer("inv_freq", rope_inv_freq(args), persistent=False)
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed.weight.dtype
+
+    def new_cache(self, max_len: int, batch: int = 1) -> KVCache:
+        a = self.args
+        return KVCache(a.n_layers, batch, a.n_kv_heads, max_len, a.head_dim, self.dtype, self.device)
+
+    def rope(self, positions: Tensor) -> tuple[Tensor, Tensor]:
+        freqs = positions[..., None].float() * self.inv_freq  # (B, T, D/2)
+        emb = torch.cat((freqs, freqs), dim=-1)[:, None]  # (B, 1, T, D)
+        return emb.cos().to(self.dtype), emb.sin().to(self.dtype)
+
+    def forward(self, tokens: Tensor, positions: Tensor, cache: KVCache, mask: Tensor | None = None,
+                logits_from: int = 0) -> tuple[Tensor, Tensor]:
+        """Run T new tokens against the cache and append their K/V.
+
+        tokens, positions: (B, T). mask: (B, 1, T, S) bool over cache slots plus new tokens, or None
+        when every new token may see every slot (T == 1). Returns logits (B, T - logits_from, V) and
+        final-norm hidden states (B, T, dim).
+        """
+        cache.reserve(tokens.shape[1])
+        cos, sin = self.rope(positions)
+        x = self.embed(tokens)  # (B, T, dim)
+        for block in self.layers:
+            x = block(x, cos, sin, cache, mask)
+        cache.advance(tokens.shape[1])
+        h = self.norm(x)
+        return self.lm_head(h[:, logits_from:]), h
+
+    def load_hf_state_dict(self, sd: dict[str, Tensor]) -> None:
+        """Copy tensors named as in Hugging Face checkpoints, fusing the projections we fuse."""
+        a = self.args
+
+        def take(name: str) -> Tensor:
+            if name not in sd:
+                raise SpecdecError(f"checkpoint lacks tensor {name!r}; is it a {'/'.join(SUPPORTED_TYPES)} model?")
+            return sd[name]
+
+        own: dict[str, Tensor] = {"embed.weight": take("model.embed_tokens.weight"),
+                                  "norm.weight": take("model.norm.weight")}
+        own["lm_head.weight"] = own["embed.weight"] if a.tie_embeddings else take("lm_head.weight")
+        for i in range(a.n_layers):
+            p, q = f"model.layers.{i}.", f"layers.{i}."
+            att = p + "self_attn."
+            own[q + "attn.wqkv.weight"] = torch.cat([take(att + f"{n}_proj.weight") for n in "qkv"])
+            if a.qkv_bias:
+                own[q + "attn.wqkv.bias"] = torch.cat([take(att + f"{n}_proj.bias") for n in "qkv"])
+            own[q + "attn.wo.weight"] = take(att + "o_proj.weight")
+            if a.o_bias:
+                own[q + "attn.wo.bias"] = take(att + "o_proj.bias")
+            own[q + "mlp.w_gate_up.weight"] = torch.cat(
+                [take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")])
+            own[q + "mlp.w_down.weight"] = take(p + "mlp.down_proj.weight")
+            own[q + "attn_norm.weight"] = take(p + "input_layernorm.weight")
+            own[q + "mlp_norm.weight"] = take(p + "post_attention_layernorm.weight")
+        # Built on the meta device, so assign the loaded tensors instead of copying into storage.
+        self.load_state_dict(own, strict=True, assign=True)
+        if a.tie_embeddings:
+            self.lm_head.weight = self.embed.weight
+        self.inv_freq = rope_inv_freq(a).to(self.embed.weight.device)

@@ -1,0 +1,192 @@
+"""The strategy protocol and the one decode loop every speculative strategy runs through.
+
+A strategy is anything that turns prompt ids into output ids (`Strategy.generate`). Speculative
+strategies only supply a `Proposer`; the loop owns prefill, the target pass, verification and the
+target cache, so every method is measured with the same engine and the same token accounting.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from specdec.engine.engine import Engine, ForwardOut, HFEngine, StaticEngine
+from specdec.engine.sampling import SamplingParams, check_finite, sample, warp
+from specdec.models.loader import LoadedModel
+from specdec.trees import tree_depth, tree_mask
+from specdec.verify import Proposal, Verdict, verify
+
+
+@dataclass(frozen=True)
+class GenerationParams:
+    max_new_tokens: int = 128
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    eos_ids: tuple[int, ...] = ()
+
+
+@dataclass
+class TurnResult:
+    output_ids: list[int]
+    ttft_s: float
+    wall_time_s: float
+    decode_steps: int | None  # target passes after prefill (None where a peer hides them)
+    accept_lengths: list[int] | None  # tokens committed per target pass, prefill first
+    proposed: int = 0  # draft tokens proposed (the longest path, for trees)
+    accepted: int = 0  # draft tokens accepted
+    proposed_by_pos: list[int] = field(default_factory=list)  # per draft position
+    accepted_by_pos: list[int] = field(default_factory=list)
+    draft_time_s: float = 0.0  # time spent proposing, for the measured cost ratio
+
+
+@dataclass
+class DecodeState:
+    """What a proposer may read: the whole sequence so far and how the turn is sampled."""
+
+    ids: list[int]  # prompt + committed output; ids[-1] is the root of the next proposal
+    prompt_len: int
+    params: GenerationParams
+    generator: torch.Generator | None
+
+    @property
+    def output_len(self) -> int:
+        return len(self.ids) - self.prompt_len
+
+
+class Strategy(ABC):
+    name: str
+
+    @abstractmethod
+    def generate(self, prompt_ids: list[int], params: GenerationParams, seed: int) -> TurnResult: ...
+
+
+class Proposer(Protocol):
+    def start(self, state: DecodeState, out: ForwardOut) -> None: ...
+    def propose(self, state: DecodeState) -> Proposal | None: ...
+    def commit(self, state: DecodeState, verdict: Verdict, out: ForwardOut) -> None: ...
+
+
+@contextlib.contextmanager
+def torch_threads(n: int | None) -> Iterator[None]:
+    if n is None:
+        yield
+        return
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def make_engine(target: LoadedModel, max_len: int, prefill_chunk: int) -> Engine:
+    cls = StaticEngine if target.backend == "compact" else HFEngine
+    return cls(target.model, max_len, prefill_chunk)
+
+
+class SpeculativeStrategy(Strategy):
+    """Prefill, then propose -> one target pass -> verify -> commit, until EOS or the budget."""
+
+    def __init__(self, target: LoadedModel, name: str, max_len: int = 2048, prefill_chunk: int = 512) -> None:
+        self.name = name
+        self.target = target
+        self.engine = make_engine(target, max_len, prefill_chunk)
+
+    def make_proposer(self) -> Proposer | None:
+        """A fresh proposer for a turn; None decodes one token per target pass."""
+        return None
+
+    def generate(self, prompt_ids: list[int], params: GenerationParams, seed: int) -> TurnResult:
+        with torch_threads(self.target.torch_threads), torch.inference_mode():
+            return self._generate(prompt_ids, params, seed)
+
+    def _pick(self, logits: torch.Tensor, state: DecodeState) -> int:
+        sp = state.params.sampling
+        if sp.greedy:
+            return int(logits.argmax())
+        return sample(warp(logits, sp), state.generator)
+
+    def _generate(self, prompt_ids: list[int], params: GenerationParams, seed: int) -> TurnResult:
+        gen = None if params.sampling.greedy else torch.Generator().manual_seed(seed)
+        start = time.perf_counter()
+        out = self.engine.prefill(prompt_ids)
+        check_finite(out.logits)
+        state = DecodeState(list(prompt_ids), len(prompt_ids), params, gen)
+        state.ids.append(self._pick(out.logits[-1], state))
+        ttft = time.perf_counter() - start
+        result = TurnResult([], ttft, 0.0, 0, [1])
+        proposer = self.make_proposer()
+        done = self._finished(state)
+        if proposer is not None and not done:
+            proposer.start(state, out)
+        while not done:
+            t0 = time.perf_counter()
+            proposal = proposer.propose(state) if proposer is not None else None
+            result.draft_time_s += time.perf_counter() - t0
+            verdict, out = self._step(state, proposal)
+            result.decode_steps = (result.decode_steps or 0) + 1
+            budget = params.max_new_tokens - state.output_len
+            new = verdict.tokens[:budget]
+            for j, tok in enumerate(new):
+                if tok in params.eos_ids:
+                    new = new[:j + 1]
+                    break
+            state.ids.extend(new)
+            result.accept_lengths.append(len(new))  # type: ignore[union-attr]
+            if proposal is not None:
+                self._count(result, proposal, verdict)
+            done = self._finished(state)
+            if proposer is not None and not done:
+                proposer.commit(state, verdict, out)
+        result.output_ids = state.ids[state.prompt_len:]
+        result.wall_time_s = time.perf_counter() - start
+        return result
+
+    def _step(self, state: DecodeState, proposal: Proposal | None) -> tuple[Verdict, ForwardOut]:
+        root = torch.tensor([state.ids[-1]])
+        base = self.engine.length
+        if proposal is None or len(proposal.tokens) == 0:
+            out = self.engine.forward(root)
+            check_finite(out.logits)
+            verdict = Verdict([], [self._pick(out.logits[-1], state)])
+        else:
+            feed = torch.cat([root, proposal.tokens.cpu()])
+            if proposal.is_chain and proposal.mask is None:
+                mask, depth = None, None
+            else:
+                mask = proposal.mask if proposal.mask is not None else tree_mask(proposal.parents)
+                depth = proposal.depth if proposal.depth is not None else tree_depth(proposal.parents)
+            out = self.engine.forward(feed, depth, mask)
+            check_finite(out.logits)
+            verdict = verify(proposal, out.logits, state.params.sampling, state.generator)
+        keep = [0, *verdict.nodes]
+        if keep == list(range(len(keep))):
+            self.engine.rollback(base + len(keep))
+        else:
+            self.engine.compact(base, [base + n for n in keep])
+        return verdict, out
+
+    @staticmethod
+    def _count(result: TurnResult, proposal: Proposal, verdict: Verdict) -> None:
+        depth = tree_depth([p if p >= 0 else 0 for p in proposal.parents])
+        verified = [d for d, p in zip(depth[1:].tolist(), proposal.parents) if p >= 0]
+        longest = max(verified, default=0)
+        result.proposed += longest
+        result.accepted += len(verdict.nodes)
+        for pos in range(longest):
+            if pos == len(result.proposed_by_pos):
+                result.proposed_by_pos.append(0)
+                result.accepted_by_pos.append(0)
+            result.proposed_by_pos[pos] += 1
+            result.accepted_by_pos[pos] += int(pos < len(verdict.nodes))
+
+    @staticmethod
+    def _finished(state: DecodeState) -> bool:
+        p = state.params
+        return state.output_len >= p.max_new_tokens or state.ids[-1] in p.eos_ids
+
