@@ -122,3 +122,32 @@ def verify_deterministic(proposal: Proposal, logits: Tensor, params: SamplingPar
             p = p / p.sum()
         if not moved:
             return Verdict(accepted, [tokens[n - 1] for n in accepted] + [sample(p, generator)])
+
+
+def verify_typical(proposal: Proposal, logits: Tensor, params: SamplingParams, generator: torch.Generator | None,
+                   epsilon: float = 0.09, delta: float = 0.3) -> Verdict:
+    """Typical acceptance (Cai et al. 2024, Medusa): fast at temperature > 0, NOT distribution-preserving.
+
+    Child x of node i passes when p_i(x) > min(epsilon, delta * exp(-H(p_i))), p_i being the target's
+    warped distribution after node i: confident rows demand a likely token, flat rows accept more.
+    The longest passing path wins (first in node order on ties) and the token after it is sampled
+    from the target. Outputs stay plausible but their distribution differs from plain sampling.
+    """
+    p_all = warp(logits, params)  # (N+1, V)
+    entropy = -torch.special.xlogy(p_all, p_all).sum(-1)  # (N+1,)
+    threshold = torch.clamp(delta * torch.exp(-entropy), max=epsilon).tolist()
+    tokens = proposal.tokens.tolist()
+    parents = proposal.parents
+    reach, depth = [True], [0]
+    for x, p in zip(tokens, parents):
+        ok = p >= 0 and reach[p] and float(p_all[p, x]) > threshold[p]
+        reach.append(ok)
+        depth.append(depth[p] + 1 if ok else 0)
+    last = max(range(len(depth)), key=lambda n: (depth[n], -n))
+    path: list[int] = []
+    node = last
+    while node != 0:
+        path.append(node)
+        node = parents[node - 1]
+    path.reverse()
+    return Verdict(path, [tokens[n - 1] for n in path] + [sample(p_all[last], generator)])

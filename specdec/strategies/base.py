@@ -163,13 +163,17 @@ class SpeculativeStrategy(Strategy):
                 depth = proposal.depth if proposal.depth is not None else tree_depth(proposal.parents)
             out = self.engine.forward(feed, depth, mask)
             check_finite(out.logits)
-            verdict = verify(proposal, out.logits, state.params.sampling, state.generator)
+            verdict = self.accept(proposal, out.logits, state)
         keep = [0, *verdict.nodes]
         if keep == list(range(len(keep))):
             self.engine.rollback(base + len(keep))
         else:
             self.engine.compact(base, [base + n for n in keep])
         return verdict, out
+
+    def accept(self, proposal: Proposal, logits: torch.Tensor, state: DecodeState) -> Verdict:
+        """The acceptance rule; a strategy with its own (Medusa's typical acceptance) overrides this."""
+        return verify(proposal, logits, state.params.sampling, state.generator)
 
     @staticmethod
     def _count(result: TurnResult, proposal: Proposal, verdict: Verdict) -> None:
