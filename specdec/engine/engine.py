@@ -140,7 +140,13 @@ class HFEngine:
         return ForwardOut(out.logits[0].float(), out.hidden_states[-1][0])
 
     def rollback(self, length: int) -> None:
-        self.cache.crop(length)
+        if not 0 <= length <= self.length:
+            raise ValueError(f"rollback to {length} from {self.length}: lengths may only shrink")
+        if length == 0:
+            self.reset()
+        elif length < self.length:
+            # a negative count (tokens to drop) is the only form both transformers 4.x and 5.x accept
+            self.cache.crop(length - self.length)
         self.length = length
 
     def compact(self, start: int, keep: list[int]) -> None:

@@ -1,0 +1,132 @@
+"""Our compact Llama-family model and both engines against transformers on the same weights (fp32)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from helpers import chain_forward, random_ids
+from torch import Tensor
+
+from specdec.engine.engine import HFEngine, StaticEngine
+from specdec.errors import SpecdecError
+from specdec.models.llama import LlamaArgs
+from specdec.models.loader import LoadedModel
+
+TYPES = ["llama", "qwen2", "mistral"]
+ATOL = 1e-4
+VOCAB = 512
+
+
+@pytest.fixture(scope="module")
+def hf_models(tiny_folders: dict[str, Path]) -> dict[str, Any]:
+    from transformers import AutoModelForCausalLM
+
+    return {t: AutoModelForCausalLM.from_pretrained(f, dtype=torch.float32).eval() for t, f in tiny_folders.items()}
+
+
+def hf_forward(model: Any, ids: list[int]) -> tuple[Tensor, Tensor]:
+    """transformers' logits (T, V) and final hidden states (T, dim) over the whole sequence at once."""
+    with torch.no_grad():
+        out = model(torch.tensor([ids]), output_hidden_states=True)
+    return out.logits[0].float(), out.hidden_states[-1][0]
+
+
+def test_qwen2_fixture_has_biases(load_tiny: Callable[..., LoadedModel]) -> None:
+    # guards the comparison below: with zero biases a loader that drops them would still match
+    model = load_tiny("qwen2").model
+    assert model.args.qkv_bias and not model.args.o_bias
+    assert model.layers[0].attn.wqkv.bias.abs().max() > 0.1
+
+
+@pytest.mark.parametrize("model_type", TYPES)
+def test_prefill_logits_match_transformers(model_type: str, load_tiny: Callable[..., LoadedModel],
+                                           hf_models: dict[str, Any]) -> None:
+    ids = random_ids(23, VOCAB, seed=0)
+    _, logits = chain_forward(load_tiny(model_type).model, ids)
+    ref, _ = hf_forward(hf_models[model_type], ids)
+    torch.testing.assert_close(logits, ref, atol=ATOL, rtol=1e-4)
+
+
+@pytest.mark.parametrize("model_type", TYPES)
+def test_chunked_prefill_matches_transformers(model_type: str, load_tiny: Callable[..., LoadedModel],
+                                              hf_models: dict[str, Any]) -> None:
+    ids = random_ids(19, VOCAB, seed=1)
+    engine = StaticEngine(load_tiny(model_type).model, 64, prefill_chunk=4)
+    out = engine.prefill(ids)
+    ref, ref_hidden = hf_forward(hf_models[model_type], ids)
+    assert out.logits.shape == (1, VOCAB) and engine.length == len(ids)
+    torch.testing.assert_close(out.logits, ref[-1:], atol=ATOL, rtol=1e-4)
+    torch.testing.assert_close(out.hidden, ref_hidden, atol=ATOL, rtol=1e-4)
+
+
+@pytest.mark.parametrize("model_type", TYPES)
+def test_incremental_decode_matches_transformers(model_type: str, load_tiny: Callable[..., LoadedModel],
+                                                 hf_models: dict[str, Any]) -> None:
+    ids = random_ids(20, VOCAB, seed=2)
+    ref, _ = hf_forward(hf_models[model_type], ids)
+    engine = StaticEngine(load_tiny(model_type).model, 64, prefill_chunk=3)
+    engine.prefill(ids[:8])
+    for i in range(8, len(ids)):
+        out = engine.forward(torch.tensor([ids[i]]))
+        torch.testing.assert_close(out.logits, ref[i:i + 1], atol=ATOL, rtol=1e-4)
+    assert engine.length == len(ids)
+
+
+def test_numpy_matmul_matches_torch(load_tiny: Callable[..., LoadedModel]) -> None:
+    ids = random_ids(12, VOCAB, seed=3)
+    _, a = chain_forward(load_tiny("qwen2", matmul="torch").model, ids)
+    _, b = chain_forward(load_tiny("qwen2", matmul="numpy").model, ids)
+    torch.testing.assert_close(a, b, atol=ATOL, rtol=1e-4)
+
+
+def test_hf_engine_matches_static_engine(load_tiny: Callable[..., LoadedModel]) -> None:
+    ids = random_ids(17, VOCAB, seed=4)
+    ours = StaticEngine(load_tiny("llama").model, 64, prefill_chunk=5)
+    theirs = HFEngine(load_tiny("llama", backend="hf").model, 64, prefill_chunk=5)
+    a, b = ours.prefill(ids[:11]), theirs.prefill(ids[:11])
+    assert theirs.length == 11
+    torch.testing.assert_close(b.logits, a.logits, atol=ATOL, rtol=1e-4)
+    torch.testing.assert_close(b.hidden, a.hidden, atol=ATOL, rtol=1e-4)
+    tail = torch.tensor(ids[11:])
+    torch.testing.assert_close(theirs.forward(tail).logits, ours.forward(tail).logits, atol=ATOL, rtol=1e-4)
+
+
+def test_hf_engine_rollback_equals_fresh(load_tiny: Callable[..., LoadedModel], hf_models: dict[str, Any]) -> None:
+    ids = random_ids(20, VOCAB, seed=5)
+    wrong = random_ids(5, VOCAB, seed=6)
+    ref, _ = hf_forward(hf_models["llama"], ids[:10] + wrong[:2] + ids[12:])
+    engine = HFEngine(load_tiny("llama", backend="hf").model, 64)
+    engine.prefill(ids[:10])
+    engine.forward(torch.tensor(wrong))
+    engine.rollback(12)  # keep two of the five
+    assert engine.length == 12
+    out = engine.forward(torch.tensor(ids[12:]))
+    torch.testing.assert_close(out.logits, ref[12:], atol=ATOL, rtol=1e-4)
+    engine.compact(15, [15, 16])  # a contiguous keep is just a rollback
+    assert engine.length == 17
+    torch.testing.assert_close(engine.forward(torch.tensor(ids[17:])).logits, ref[17:], atol=ATOL, rtol=1e-4)
+
+
+def test_hf_engine_refuses_trees_and_overflow(load_tiny: Callable[..., LoadedModel]) -> None:
+    engine = HFEngine(load_tiny("llama", backend="hf").model, 12)
+    engine.prefill(random_ids(8, VOCAB, seed=7))
+    with pytest.raises(SpecdecError, match="token trees"):
+        engine.forward(torch.tensor([5, 6]), torch.tensor([0, 1]), torch.ones(2, 2, dtype=torch.bool).tril())
+    with pytest.raises(SpecdecError, match="token trees"):
+        engine.compact(8, [8, 10])
+    with pytest.raises(SpecdecError, match="overflow: 13 positions needed but the cache holds 12"):
+        engine.forward(torch.tensor([5, 6, 7, 8, 9]))
+    assert engine.length == 8
+    with pytest.raises(SpecdecError, match="does not fit the cache of 12"):
+        engine.prefill(random_ids(12, VOCAB, seed=8))
+
+
+def test_unsupported_architecture_is_refused() -> None:
+    from transformers import GPT2Config
+
+    with pytest.raises(SpecdecError, match="model.backend=hf"):
+        LlamaArgs.from_hf(GPT2Config())
