@@ -1,0 +1,3 @@
+from specdec.resolvers import register as _register_resolvers
+
+_register_resolvers()
