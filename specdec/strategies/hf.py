@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from specdec.errors import SpecdecError
 from specdec.models.loader import LoadedModel
 from specdec.strategies.base import GenerationParams, Strategy, TurnResult
 
@@ -68,8 +69,9 @@ class HFGenerate(Strategy):
             pad_token_id=self.target.tokenizer.pad_token_id or (params.eos_ids[0] if params.eos_ids else 0),
             **self.extra)
         kwargs: dict[str, Any] = {}
-        if self.draft is not None:
-            kwargs["assistant_model"] = self.draft.hf_model()
+        assistant = self.assistant_model()
+        if assistant is not None:
+            kwargs["assistant_model"] = assistant
         ids = torch.tensor([prompt_ids], device=self.target.device)
         timer = _FirstTokenTimer()
         with torch_threads(self.threads), torch.inference_mode():
@@ -81,3 +83,45 @@ class HFGenerate(Strategy):
         output = out[0, len(prompt_ids):].tolist()
         ttft = (timer.first or time.perf_counter()) - start
         return TurnResult(output, min(ttft, wall), wall, None, None)
+
+    def assistant_model(self) -> Any:
+        """The transformers model that drafts for assisted generation, None for plain generate."""
+        return self.draft.hf_model() if self.draft is not None else None
+
+
+class HFAssisted(HFGenerate):
+    """transformers assisted generation with the same draft as `strategy=draft`: the peer baseline.
+
+    transformers reads the draft length from the assistant's own generation config (not from the
+    config passed to generate), so it is set there once; with the "heuristic" schedule the length
+    then carries over from turn to turn, as in transformers. A trained drafter from heads/ is used
+    through its transformers wrapper (`bind(target).hf_model()`).
+    """
+
+    def __init__(self, target: LoadedModel, name: str, draft: Any, num_assistant_tokens: int = 4,
+                 num_assistant_tokens_schedule: str = "constant", assistant_confidence_threshold: float = 0.0,
+                 torch_threads: int | None = None, max_len: int | None = None,
+                 prefill_chunk: int | None = None) -> None:
+        from specdec.strategies.draft import check_same_tokenizer
+
+        super().__init__(target, name, torch_threads=torch_threads)
+        if num_assistant_tokens < 1:
+            raise SpecdecError(f"strategy.num_assistant_tokens={num_assistant_tokens} must be at least 1")
+        if num_assistant_tokens_schedule not in ("constant", "heuristic", "heuristic_transient"):
+            raise SpecdecError(f"strategy.num_assistant_tokens_schedule={num_assistant_tokens_schedule!r}; use "
+                               "constant, heuristic or heuristic_transient")
+        if isinstance(draft, LoadedModel):
+            check_same_tokenizer(target, draft)
+            self._assistant = draft.hf_model()
+        elif hasattr(draft, "bind"):
+            self._assistant = draft.bind(target).hf_model()
+        else:
+            raise SpecdecError(f"strategy.draft builds a {type(draft).__name__}; hf_assisted needs a model config "
+                               "(specdec.models.load_model) or a trained drafter with bind(target)")
+        gc = self._assistant.generation_config
+        gc.num_assistant_tokens = num_assistant_tokens
+        gc.num_assistant_tokens_schedule = num_assistant_tokens_schedule
+        gc.assistant_confidence_threshold = assistant_confidence_threshold
+
+    def assistant_model(self) -> Any:
+        return self._assistant

@@ -1,0 +1,333 @@
+"""Draft-model speculative decoding (Leviathan et al. 2023; Chen et al. 2023).
+
+A small draft model with its own KV cache proposes a chain of tokens autoregressively; the shared
+loop scores them with one target pass and keeps the longest accepted prefix (greedy match at
+temperature 0, speculative sampling otherwise). The draft is either a `LoadedModel` sharing the
+target's tokenizer, or a trained drafter from `heads/` (reached through its config, see `TrainedDraft`).
+
+How many tokens to draft is a `DraftSchedule`: a fixed gamma, transformers' heuristic, a static
+confidence threshold, or `CostAware`, which stops when one more token is expected to cost more
+than it returns (calibrated acceptance odds against the measured draft/target cost ratio).
+"""
+
+from __future__ import annotations
+
+import time
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+from torch import Tensor
+
+from specdec.engine.engine import Engine, ForwardOut, StaticEngine
+from specdec.engine.kv_cache import KVCache
+from specdec.engine.sampling import sample, warp
+from specdec.errors import SpecdecError
+from specdec.models.loader import LoadedModel
+from specdec.strategies.base import DecodeState, Proposer, SpeculativeStrategy, make_engine
+from specdec.verify import Proposal, Verdict
+
+# --------------------------------------------------------------------------------------------------
+# Drafters
+# --------------------------------------------------------------------------------------------------
+
+
+class DraftNet(Protocol):
+    """A trained drafter bound to its target: the compact model's call signature over its own cache.
+
+    Its output rows may be a reduced vocabulary; `token_ids` maps row i to the target's token id.
+    """
+
+    token_ids: Tensor | None  # (K,) target id of each logit row; None when rows are target ids
+    device: torch.device
+
+    def new_cache(self, max_len: int, batch: int = 1) -> KVCache: ...
+
+    def __call__(self, tokens: Tensor, positions: Tensor, cache: KVCache, mask: Tensor | None = None,
+                 logits_from: int = 0) -> tuple[Tensor, Tensor]: ...
+
+    def hf_model(self) -> Any: ...
+
+
+class TrainedDraft(Protocol):
+    """What a trained drafter's config builds (e.g. `heads.draft_model.load_draft`).
+
+    `bind` checks that it was trained for this target (one-line SpecdecError otherwise) and returns
+    the network, sharing the target's frozen tensors where it reuses them.
+    """
+
+    def bind(self, target: LoadedModel) -> DraftNet: ...
+
+
+def check_same_tokenizer(target: LoadedModel, draft: LoadedModel) -> None:
+    """Draft and target must agree on every token id, or their proposals mean nothing."""
+    try:
+        from specdec.models.loader import check_same_tokenizer as shared
+    except ImportError:  # older loader without the shared check
+        shared = None
+    if shared is not None:
+        shared(target, draft)
+        return
+    if target.tokenizer.get_vocab() != draft.tokenizer.get_vocab():
+        raise SpecdecError(f"draft {draft.name} and target {target.name} use different tokenizers; "
+                           "pick a draft from the target's model family (same vocabulary)")
+
+
+@dataclass
+class Drafter:
+    """A draft model as the proposer uses it: an engine over its own cache and the id mapping."""
+
+    engine: Engine
+    token_ids: Tensor | None  # (K,) target id of each draft logit row; None = identity
+    target_vocab: int  # width of the distributions handed to the verifier
+    hf: Any  # zero-argument callable: the draft as a transformers model (hf_assisted)
+
+    @classmethod
+    def build(cls, draft: LoadedModel | TrainedDraft, target: LoadedModel, max_len: int,
+              prefill_chunk: int) -> Drafter:
+        if isinstance(draft, LoadedModel):
+            check_same_tokenizer(target, draft)
+            return cls(make_engine(draft, max_len, prefill_chunk), None, target.vocab_size, draft.hf_model)
+        if not hasattr(draft, "bind"):
+            raise SpecdecError(f"strategy.draft builds a {type(draft).__name__}, which is neither a model "
+                               "(specdec.models.load_model) nor a trained drafter with bind(target)")
+        net = draft.bind(target)
+        token_ids = None if net.token_ids is None else net.token_ids.to(net.device)
+        return cls(StaticEngine(net, max_len, prefill_chunk), token_ids, target.vocab_size, net.hf_model)
+
+    def pick_greedy(self, logits: Tensor) -> tuple[int, float]:
+        """The draft's argmax as a target id, and its probability under the draft."""
+        if self.token_ids is None:
+            logits = logits[:self.target_vocab]
+        probs = torch.softmax(logits.float(), -1)  # (V_d,) over the draft's own rows: cheap when reduced
+        row = int(probs.argmax())
+        tok = row if self.token_ids is None else int(self.token_ids[row])
+        return tok, float(probs[row])
+
+    def to_target(self, logits: Tensor) -> Tensor:
+        """Draft logits (V_d,) -> logits over the target vocabulary (V_t,), -inf where it never proposes."""
+        logits = logits.float()
+        if self.token_ids is not None:
+            full = logits.new_full((self.target_vocab,), float("-inf"))
+            return full.index_copy(0, self.token_ids, logits)
+        if len(logits) >= self.target_vocab:  # padded embedding rows beyond the target's ids
+            return logits[:self.target_vocab]
+        return torch.cat([logits, logits.new_full((self.target_vocab - len(logits),), float("-inf"))])
+
+
+# --------------------------------------------------------------------------------------------------
+# Draft-length schedules (persistent across turns, like transformers' "heuristic")
+# --------------------------------------------------------------------------------------------------
+
+
+class DraftSchedule(ABC):
+    """Decides how many tokens the draft proposes; learns from what the target accepted."""
+
+    @abstractmethod
+    def length(self) -> int:
+        """The most tokens to draft this round."""
+
+    def keep_drafting(self, drafted: int, confidence: float) -> bool:
+        """After drafting token number `drafted` whose draft probability was `confidence`."""
+        return True
+
+    def update(self, drafted: int, accepted: int, confidences: list[float], draft_s: float,
+               target_s: float) -> None:
+        """After verification: drafted/accepted counts, the draft's confidences and the round's times."""
+        return None  # fixed schedules learn nothing
+
+
+class FixedLength(DraftSchedule):
+    def __init__(self, gamma: int = 4) -> None:
+        if gamma < 1:
+            raise SpecdecError(f"strategy.schedule.gamma={gamma} must be at least 1")
+        self.gamma = gamma
+
+    def length(self) -> int:
+        return self.gamma
+
+
+class Heuristic(DraftSchedule):
+    """transformers' `num_assistant_tokens_schedule="heuristic"`: +2 after a full acceptance, else -1."""
+
+    def __init__(self, gamma: int = 4, max_gamma: int = 32) -> None:
+        if not 1 <= gamma <= max_gamma:
+            raise SpecdecError(f"strategy.schedule.gamma={gamma} must be in 1..max_gamma={max_gamma}")
+        self.gamma = gamma
+        self.max_gamma = max_gamma
+
+    def length(self) -> int:
+        return self.gamma
+
+    def update(self, drafted: int, accepted: int, confidences: list[float], draft_s: float,
+               target_s: float) -> None:
+        self.gamma = min(self.max_gamma, self.gamma + 2) if accepted == drafted else max(1, self.gamma - 1)
+
+
+class Confidence(DraftSchedule):
+    """Stop as soon as the draft's probability of its own token drops below a fixed threshold."""
+
+    def __init__(self, threshold: float = 0.4, max_gamma: int = 8) -> None:
+        if not 0 <= threshold < 1 or max_gamma < 1:
+            raise SpecdecError(f"strategy.schedule: threshold={threshold} must be in [0, 1) and "
+                               f"max_gamma={max_gamma} at least 1")
+        self.threshold = threshold
+        self.max_gamma = max_gamma
+
+    def length(self) -> int:
+        return self.max_gamma
+
+    def keep_drafting(self, drafted: int, confidence: float) -> bool:
+        return confidence >= self.threshold
+
+
+class CostAware(DraftSchedule):
+    """Draft one more token only while its expected return beats its cost.
+
+    A round that drafts k tokens costs 1 + k (c + v) target-step units (c: one draft step over one
+    target step, measured; v: the extra verification cost of one more token in the target pass) and
+    yields 1 + accepted tokens. Drafting token k+1 adds P(tokens 1..k+1 all accepted) tokens in
+    expectation and c + v cost, so it pays iff that probability exceeds R (c + v), R being the rate
+    achieved so far in tokens per unit (Dinkelbach's ratio argument, applied myopically).
+
+    P comes from the draft's confidences through an online calibration table (confidence bin ->
+    accepted fraction, with the confidence itself as prior), so an over- or under-confident draft
+    is corrected by what the target actually accepts; the next token's odds are predicted from the
+    current token's (confidence is strongly autocorrelated along a chain).
+    """
+
+    def __init__(self, max_gamma: int = 12, cost_ratio: float = 0.1, verify_cost: float = 0.02,
+                 bins: int = 10, prior_weight: float = 4.0, momentum: float = 0.05) -> None:
+        if max_gamma < 1 or cost_ratio < 0 or verify_cost < 0 or bins < 1 or not 0 < momentum <= 1:
+            raise SpecdecError("strategy.schedule: max_gamma >= 1, cost_ratio >= 0, verify_cost >= 0, bins >= 1 "
+                               "and momentum in (0, 1] are required")
+        self.max_gamma = max_gamma
+        self.cost = cost_ratio  # c, re-estimated from timings
+        self.verify_cost = verify_cost
+        self.momentum = momentum
+        centers = (torch.arange(bins, dtype=torch.float64) + 0.5) / bins
+        self.hits = centers * prior_weight  # (bins,)
+        self.tries = torch.full((bins,), prior_weight, dtype=torch.float64)
+        self.rate = 1.0  # R: tokens per target-step unit, autoregressive to start with
+        self._chain = 1.0
+
+    def accept_prob(self, confidence: float) -> float:
+        b = min(int(confidence * len(self.tries)), len(self.tries) - 1)
+        return float(self.hits[b] / self.tries[b])
+
+    def length(self) -> int:
+        self._chain = 1.0
+        return self.max_gamma
+
+    def keep_drafting(self, drafted: int, confidence: float) -> bool:
+        a = self.accept_prob(confidence)
+        self._chain *= a
+        return self._chain * a > self.rate * (self.cost + self.verify_cost)
+
+    def update(self, drafted: int, accepted: int, confidences: list[float], draft_s: float,
+               target_s: float) -> None:
+        for i, conf in enumerate(confidences[:accepted + 1]):  # tokens after the first rejection were never tested
+            b = min(int(conf * len(self.tries)), len(self.tries) - 1)
+            self.tries[b] += 1
+            self.hits[b] += float(i < accepted)
+        m = self.momentum
+        if drafted and target_s > 0:
+            self.cost = (1 - m) * self.cost + m * (draft_s / drafted) / target_s
+        units = 1 + drafted * (self.cost + self.verify_cost)
+        self.rate = (1 - m) * self.rate + m * (1 + accepted) / units
+
+
+# --------------------------------------------------------------------------------------------------
+# Proposer and strategy
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class DraftProposer:
+    """Drafts a chain with the draft's own cache; rolls that cache back to the committed prefix.
+
+    The draft cache holds `fed`, a prefix of the sequence plus possibly drafted tokens; each round
+    first feeds the committed tokens it has not seen (the root, and after a full acceptance the
+    last drafted token too), then drafts one token per draft step.
+    """
+
+    drafter: Drafter
+    schedule: DraftSchedule
+    fed: list[int] = field(default_factory=list)
+    _confidences: list[float] = field(default_factory=list)
+    _drafted: int = 0
+    _draft_s: float = 0.0
+    _proposed_at: float = 0.0
+
+    def start(self, state: DecodeState, out: ForwardOut) -> None:
+        self.fed = list(state.ids[:-1])  # the prompt; the first generated token is fed with the first draft
+        self.drafter.engine.prefill(self.fed)
+
+    def propose(self, state: DecodeState) -> Proposal | None:
+        t0 = time.perf_counter()
+        engine = self.drafter.engine
+        pending = state.ids[len(self.fed):]
+        room = engine.max_len - len(state.ids)  # the target pass needs the sequence plus k slots
+        budget = state.params.max_new_tokens - state.output_len - 1  # the target adds one token itself
+        k_max = min(self.schedule.length(), budget, room)
+        if k_max < 1:
+            self._drafted = 0
+            return None
+        sp = state.params.sampling
+        tokens: list[int] = []
+        probs: list[Tensor] = []
+        self._confidences = []
+        feed = pending
+        while True:
+            out = engine.forward(torch.tensor(feed, device=_device(engine)))
+            self.fed += feed
+            if sp.greedy:
+                tok, conf = self.drafter.pick_greedy(out.logits[-1])
+            else:
+                q = warp(self.drafter.to_target(out.logits[-1]), sp)  # (V_t,) warped like the target's p
+                tok = sample(q, state.generator)
+                conf = float(q.max())
+                probs.append(q)
+            tokens.append(tok)
+            self._confidences.append(conf)
+            if len(tokens) == k_max or not self.schedule.keep_drafting(len(tokens), conf):
+                break
+            feed = [tok]
+        self._drafted = len(tokens)
+        self._proposed_at = time.perf_counter()
+        self._draft_s = self._proposed_at - t0
+        return Proposal(tokens=torch.tensor(tokens), parents=list(range(len(tokens))),
+                        probs=torch.stack(probs) if probs else None)
+
+    def commit(self, state: DecodeState, verdict: Verdict, out: ForwardOut) -> None:
+        target_s = time.perf_counter() - self._proposed_at
+        keep = 0
+        limit = min(len(self.fed), len(state.ids))
+        while keep < limit and self.fed[keep] == state.ids[keep]:
+            keep += 1
+        if keep < len(self.fed):
+            self.drafter.engine.rollback(keep)
+            del self.fed[keep:]
+        if self._drafted:
+            self.schedule.update(self._drafted, len(verdict.nodes), self._confidences, self._draft_s, target_s)
+            self._drafted = 0
+
+
+def _device(engine: Engine) -> torch.device:
+    return getattr(engine, "device", torch.device("cpu"))
+
+
+class DraftStrategy(SpeculativeStrategy):
+    """Draft-model speculative decoding on our engine; `draft` is a model config or a trained drafter."""
+
+    def __init__(self, target: LoadedModel, name: str, draft: LoadedModel | TrainedDraft,
+                 schedule: DraftSchedule | None = None, max_len: int = 2048, prefill_chunk: int = 512) -> None:
+        super().__init__(target, name, max_len, prefill_chunk)
+        self.drafter = Drafter.build(draft, target, max_len, prefill_chunk)
+        self.schedule = schedule if schedule is not None else FixedLength()
+        self.last_proposer: DraftProposer | None = None
+
+    def make_proposer(self) -> Proposer:
+        self.last_proposer = DraftProposer(self.drafter, self.schedule)
+        return self.last_proposer
