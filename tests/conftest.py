@@ -26,6 +26,10 @@ settings.load_profile("specdec")
 
 MODEL_TYPES = ("llama", "qwen2", "mistral")
 
+# Tiny matrices gain nothing from threads, and on a shared 2-core machine torch's spinning OpenMP
+# workers made each tiny forward 10-50x slower.
+torch.set_num_threads(1)
+
 
 @pytest.fixture(scope="session")
 def tiny_target() -> LoadedModel:
