@@ -1,0 +1,227 @@
+"""Medusa heads (Cai et al. 2024): K small heads on the target's last hidden state.
+
+Head k (counting from 0) reads the final-norm hidden state of token t and guesses token t + k + 2;
+the target's own output head already predicts t + 1. Each head is a stack of residual blocks
+x + SiLU(W x + b) followed by an output projection: the target's frozen output head ("shared", the
+cheap default: all K heads go through one matmul) or a trainable copy per head ("own").
+
+On a CPU a full-vocabulary projection costs as much as a good part of a target step, so a head may
+keep only the N most frequent tokens of the distillation data (`kept_ids`); its top-k ids are
+mapped back to the full vocabulary.
+
+Files: `medusa.safetensors` (block weights, own projections, kept ids) and `medusa.json`
+(`MedusaConfig` plus training metadata).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections import Counter
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from specdec.errors import SpecdecError
+from specdec.models.loader import LoadedModel
+
+WEIGHTS_FILE = "medusa.safetensors"
+CONFIG_FILE = "medusa.json"
+PROJECTIONS = ("shared", "own")
+
+
+@dataclass(frozen=True)
+class MedusaConfig:
+    base_model: str  # the target's name (model config alias)
+    base_fingerprint: str  # sign pattern of the target's output head: tells same-shaped models apart
+    hidden_size: int
+    vocab_size: int  # the target's full vocabulary
+    num_heads: int = 4  # K
+    num_layers: int = 1  # residual blocks per head
+    projection: str = "shared"  # "shared": the target's frozen output head; "own": one trainable copy per head
+    head_vocab: int | None = None  # kept vocabulary size; None = the full vocabulary
+
+    def __post_init__(self) -> None:
+        if self.projection not in PROJECTIONS:
+            raise SpecdecError(f"unknown Medusa projection {self.projection!r}; use shared or own")
+        if self.num_heads < 1 or self.num_layers < 0:
+            raise SpecdecError(f"Medusa needs num_heads >= 1 and num_layers >= 0, got {self.num_heads} "
+                               f"and {self.num_layers}")
+
+
+def output_weight(target: LoadedModel) -> Tensor:
+    """(V, dim) float32 weight of the target's output head, whichever linear implementation holds it."""
+    head = target.model.lm_head
+    if isinstance(head, nn.Linear):
+        return head.weight.detach().float()
+    if hasattr(head, "weight_t"):  # NumpyLinear keeps W^T as a NumPy array
+        return torch.from_numpy(head.weight_t).t().float()
+    raise SpecdecError(f"cannot read the output head of {target.name} ({type(head).__name__}); "
+                       "Medusa needs the compact model (model.backend=compact)")
+
+
+def fingerprint(weight: Tensor) -> str:
+    # Signs survive fp32 -> bf16/fp16 casts, so heads trained on one dtype load on another.
+    block = weight[:16, :16].float() > 0
+    return hashlib.sha256(bytes(block.flatten().tolist())).hexdigest()[:16]
+
+
+def kept_vocab(token_ids: Iterable[int], n: int, vocab_size: int) -> Tensor:
+    """The n most frequent ids (ties: smaller id first), padded with unseen ids in order, sorted."""
+    counts = Counter(int(t) for t in token_ids)
+    order = sorted(counts, key=lambda t: (-counts[t], t))[:n]
+    if len(order) < n:
+        seen = set(order)
+        order += [t for t in range(vocab_size) if t not in seen][:n - len(order)]
+    return torch.tensor(sorted(order), dtype=torch.long)
+
+
+class ResBlock(nn.Module):
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.linear = nn.Linear(dim, dim)
+        # Zero init makes a fresh block the identity, so every head starts as the target's own head.
+        nn.init.zeros_(self.linear.weight)
+        nn.init.zeros_(self.linear.bias)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x + F.silu(self.linear(x))
+
+
+class MedusaHeads(nn.Module):
+    """K heads; `forward` gives all heads' logits over the kept vocabulary in one projection."""
+
+    def __init__(self, cfg: MedusaConfig, base_weight: Tensor, kept_ids: Tensor | None = None) -> None:
+        super().__init__()
+        self.cfg = cfg
+        V, dim = base_weight.shape
+        if (V, dim) != (cfg.vocab_size, cfg.hidden_size):
+            raise SpecdecError(f"output head of shape {(V, dim)} does not match the Medusa config "
+                               f"(vocab {cfg.vocab_size}, hidden {cfg.hidden_size})")
+        if kept_ids is not None and (kept_ids.ndim != 1 or len(kept_ids) != cfg.head_vocab):
+            raise ValueError(f"kept_ids must be ({cfg.head_vocab},), got {tuple(kept_ids.shape)}")
+        # Distinct blocks per head and per layer: never one module repeated.
+        self.blocks = nn.ModuleList(nn.Sequential(*(ResBlock(dim) for _ in range(cfg.num_layers)))
+                                    for _ in range(cfg.num_heads))
+        kept = kept_ids if kept_ids is not None else torch.arange(V)
+        self.register_buffer("kept_ids", kept.long().clone())
+        # full id -> row of the kept vocabulary, -100 (cross-entropy's ignore index) when dropped
+        to_head = torch.full((V,), -100, dtype=torch.long)
+        to_head[self.kept_ids] = torch.arange(len(kept))
+        self.register_buffer("to_head", to_head, persistent=False)
+        w = base_weight.detach().float()[self.kept_ids].contiguous()  # (V', dim)
+        if cfg.projection == "own":
+            self.proj = nn.Parameter(w[None].repeat(cfg.num_heads, 1, 1))  # (K, V', dim)
+        else:
+            self.register_buffer("proj", w, persistent=False)  # (V', dim), frozen, not saved
+
+    @property
+    def num_heads(self) -> int:
+        return self.cfg.num_heads
+
+    def features(self, hidden: Tensor) -> Tensor:
+        """(..., dim) -> (..., K, dim): each head's residual stack."""
+        return torch.stack([blocks(hidden) for blocks in self.blocks], dim=-2)
+
+    def head_logits(self, x: Tensor, k: int) -> Tensor:
+        """(..., dim) features of head k -> (..., V') logits: one head at a time keeps training memory low."""
+        w = self.proj[k] if self.proj.ndim == 3 else self.proj
+        return x @ w.t()
+
+    def forward(self, hidden: Tensor) -> Tensor:
+        x = self.features(hidden)  # (..., K, dim)
+        if self.proj.ndim == 3:
+            return torch.einsum("...kd,kvd->...kv", x, self.proj)  # (..., K, V')
+        return x @ self.proj.t()  # (..., K, V'): every head in one matmul
+
+    @torch.inference_mode()
+    def topk(self, hidden: Tensor, k: int) -> Tensor:
+        """(dim,) hidden state of the newest accepted token -> (K, k) candidate ids in the full vocabulary."""
+        logits = self.forward(hidden.float())  # (K, V')
+        return self.kept_ids[logits.topk(k, dim=-1).indices]
+
+    def save(self, out_dir: str | Path, meta: dict[str, Any] | None = None) -> Path:
+        from safetensors.torch import save_file
+
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        tensors = {k: v.detach().contiguous() for k, v in self.state_dict().items()}
+        save_file(tensors, str(out / WEIGHTS_FILE))
+        body = {"kind": "medusa", "config": asdict(self.cfg), "meta": meta or {}}
+        (out / CONFIG_FILE).write_text(json.dumps(body, indent=2, default=str))
+        return out
+
+
+def new_config(target: LoadedModel, num_heads: int = 4, num_layers: int = 1, projection: str = "shared",
+               head_vocab: int | None = None) -> MedusaConfig:
+    w = output_weight(target)
+    V, dim = w.shape
+    if head_vocab is not None and not 0 < head_vocab <= V:
+        raise SpecdecError(f"Medusa head_vocab={head_vocab} must be in 1..{V} (the target's vocabulary) or null")
+    return MedusaConfig(target.name, fingerprint(w), dim, V, num_heads, num_layers, projection,
+                        None if head_vocab in (None, V) else head_vocab)
+
+
+def check_match(cfg: MedusaConfig, target: LoadedModel, where: str) -> None:
+    w = output_weight(target)
+    mine = (target.name, fingerprint(w), w.shape[1], w.shape[0])
+    theirs = (cfg.base_model, cfg.base_fingerprint, cfg.hidden_size, cfg.vocab_size)
+    if mine != theirs:
+        raise SpecdecError(f"Medusa heads in {where} were trained for {cfg.base_model} (hidden {cfg.hidden_size}, "
+                           f"vocab {cfg.vocab_size}), not for the target {target.name} (hidden {w.shape[1]}, vocab "
+                           f"{w.shape[0]}); train heads for this model or point strategy.heads.path at matching ones")
+
+
+def load_heads(target: LoadedModel, path: str | Path) -> MedusaHeads:
+    """Heads saved by `MedusaHeads.save`, checked against the target they will run on."""
+    from safetensors.torch import load_file
+
+    folder = Path(path).expanduser()
+    repo_root = Path(__file__).resolve().parent.parent
+    if not folder.is_absolute() and not folder.exists() and (repo_root / folder).exists():
+        folder = repo_root / folder  # configs name checkpoints relative to the repository
+    cfg_file, weights = folder / CONFIG_FILE, folder / WEIGHTS_FILE
+    if not cfg_file.is_file() or not weights.is_file():
+        raise SpecdecError(f"no Medusa heads in {folder} (needs {CONFIG_FILE} and {WEIGHTS_FILE}); train them with "
+                           f"`python -m heads.train head=medusa model={target.name}` or set strategy.heads.path")
+    try:
+        body = json.loads(cfg_file.read_text())
+        known = {f.name for f in fields(MedusaConfig)}
+        cfg = MedusaConfig(**{k: v for k, v in body["config"].items() if k in known})
+    except (json.JSONDecodeError, KeyError, TypeError) as e:
+        raise SpecdecError(f"{cfg_file} is not a Medusa heads config ({type(e).__name__}: {e}); "
+                           "retrain the heads") from None
+    check_match(cfg, target, str(folder))
+    state = load_file(str(weights))
+    heads = MedusaHeads(cfg, output_weight(target), state.get("kept_ids") if cfg.head_vocab is not None else None)
+    missing, unexpected = heads.load_state_dict(state, strict=False)
+    if missing or unexpected:
+        raise SpecdecError(f"{weights} does not fit its config (missing {missing[:3]}, unexpected "
+                           f"{unexpected[:3]}); retrain the heads")
+    return heads.eval().requires_grad_(False)
+
+
+def medusa_heads(target: LoadedModel, path: str | None = None, num_heads: int = 4, num_layers: int = 1,
+                 projection: str = "shared", head_vocab: int | None = None, seed: int | None = None) -> MedusaHeads:
+    """Strategy config entry (`strategy.heads`): trained heads from `path`, or untrained ones when path is null.
+
+    Untrained heads start as copies of the target's own head (zero-initialised blocks); `seed` gives
+    them random blocks instead, which tests use to get wrong guesses on purpose.
+    """
+    if path:
+        return load_heads(target, path)
+    cfg = new_config(target, num_heads, num_layers, projection, head_vocab)
+    kept = torch.arange(cfg.head_vocab) if cfg.head_vocab is not None else None
+    heads = MedusaHeads(cfg, output_weight(target), kept)
+    if seed is not None:
+        gen = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for name, p in heads.named_parameters():
+                if name.startswith("blocks."):
+                    p.copy_(torch.randn(p.shape, generator=gen) / p.shape[-1] ** 0.5)
+    return heads.eval().requires_grad_(False)

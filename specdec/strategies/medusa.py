@@ -1,0 +1,146 @@
+"""`strategy=medusa`: K heads on the target's hidden state guess the next tokens as a token tree.
+
+Each step the heads read the hidden state of the newest accepted token; the tree's nodes are the
+heads' top-ranked guesses ("choices": one tuple of ranks per root-to-node path, head d filling depth
+d + 1). The shared loop verifies the whole tree in one target pass and keeps the longest accepted
+path. At temperature 0 acceptance is greedy (lossless). At temperature > 0 the default is Medusa's
+typical acceptance, which is faster but NOT distribution-preserving; `acceptance=exact` uses the
+exact multi-candidate rule of `specdec.verify` instead.
+
+The heads come built from the config (`heads._target_` pointing at a loader in `heads/`), called
+with the target; this module only needs their `num_heads` and `topk`.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+from torch import Tensor
+
+from specdec.engine.engine import ForwardOut
+from specdec.errors import SpecdecError
+from specdec.models.loader import LoadedModel
+from specdec.strategies.base import DecodeState, SpeculativeStrategy
+from specdec.trees import paths_to_parents
+from specdec.verify import Proposal, Verdict, verify_typical
+
+# A hand-made tree of 16 nodes for 4 heads: wide where the heads are surest (shallow, low ranks).
+DEFAULT_TREE: tuple[tuple[int, ...], ...] = (
+    (0,), (1,), (2,), (3,),
+    (0, 0), (0, 1), (0, 2), (1, 0), (1, 1), (2, 0),
+    (0, 0, 0), (0, 0, 1), (0, 1, 0), (1, 0, 0),
+    (0, 0, 0, 0), (0, 0, 0, 1),
+)
+ACCEPTANCE = ("typical", "exact")
+
+
+class Heads(Protocol):
+    num_heads: int
+
+    def topk(self, hidden: Tensor, k: int) -> Tensor: ...  # (dim,) -> (K, k) token ids
+
+
+def chain_tree(depth: int) -> list[tuple[int, ...]]:
+    """Top-1 of each head: a chain of `depth` nodes."""
+    return [(0,) * d for d in range(1, depth + 1)]
+
+
+def load_tree(spec: str | Sequence[Sequence[int]], num_heads: int) -> list[tuple[int, ...]]:
+    """`default`, `chain`, a YAML/JSON file (a list of paths, or a mapping with `choices`), or the paths."""
+    if isinstance(spec, str):
+        if spec == "default":
+            paths: Any = [p for p in DEFAULT_TREE if len(p) <= num_heads]
+        elif spec == "chain":
+            paths = chain_tree(num_heads)
+        else:
+            paths = _read_tree_file(Path(spec).expanduser())
+    else:
+        paths = spec
+    try:
+        tree = [tuple(int(r) for r in p) for p in paths]
+    except (TypeError, ValueError):
+        raise SpecdecError(f"strategy.tree must be a list of rank lists such as [[0],[1],[0,0]]; "
+                           f"got {spec!r}") from None
+    if not tree or any(len(p) == 0 or min(p) < 0 for p in tree):
+        raise SpecdecError("strategy.tree needs at least one path of non-negative ranks, e.g. [[0],[0,0]]")
+    deepest = max(tree, key=len)
+    if len(deepest) > num_heads:
+        raise SpecdecError(f"tree path {list(deepest)} is {len(deepest)} deep but the heads guess only "
+                           f"{num_heads} tokens ahead; use a shallower tree or heads with more heads")
+    return tree
+
+
+def _read_tree_file(path: Path) -> Any:
+    if not path.is_file():
+        raise SpecdecError(f"tree file {path} not found; use strategy.tree=default, chain, a file written by "
+                           "python -m heads.tree_tuning, or a list of rank paths")
+    text = path.read_text()
+    if path.suffix == ".json":
+        data = json.loads(text)
+    else:
+        import yaml
+
+        data = yaml.safe_load(text)
+    return data["choices"] if isinstance(data, dict) else data
+
+
+class MedusaProposer:
+    """Keeps the hidden state of the newest accepted token and turns the heads' top-k into the tree."""
+
+    def __init__(self, heads: Heads, paths: list[tuple[int, ...]], room: Callable[[], int]) -> None:
+        self.heads = heads
+        self.parents, keys = paths_to_parents(paths)
+        self.width = 1 + max(k[-1] for k in keys)  # top-k needed from every head
+        self.head_of = torch.tensor([len(k) - 1 for k in keys])  # (N,) depth - 1 = the head that fills it
+        self.rank_of = torch.tensor([k[-1] for k in keys])  # (N,)
+        self.room = room
+        self.hidden: Tensor | None = None  # (dim,)
+
+    def start(self, state: DecodeState, out: ForwardOut) -> None:
+        self.hidden = out.hidden[-1]
+
+    def candidates(self, state: DecodeState) -> Tensor:
+        """(K, width) guesses: row d ranks the heads' guesses for the token d + 1 after the root."""
+        assert self.hidden is not None
+        return self.heads.topk(self.hidden, self.width)
+
+    def propose(self, state: DecodeState) -> Proposal | None:
+        top = self.candidates(state).cpu()
+        tokens = top[self.head_of, self.rank_of]  # (N,)
+        # Nodes are in (depth, rank) order with parents first, so any prefix is still a tree.
+        n = min(len(tokens), self.room())
+        if n <= 0:
+            return None
+        return Proposal(tokens[:n], self.parents[:n])
+
+    def commit(self, state: DecodeState, verdict: Verdict, out: ForwardOut) -> None:
+        self.hidden = out.hidden[verdict.nodes[-1] if verdict.nodes else 0]
+
+
+class Medusa(SpeculativeStrategy):
+    def __init__(self, target: LoadedModel, name: str = "medusa", max_len: int = 2048, prefill_chunk: int = 512,
+                 heads: Callable[..., Heads] | Heads | None = None, tree: str | Sequence[Sequence[int]] = "default",
+                 acceptance: str = "typical", epsilon: float = 0.09, delta: float = 0.3) -> None:
+        super().__init__(target, name, max_len, prefill_chunk)
+        if heads is None:
+            raise SpecdecError("strategy=medusa needs heads: set strategy.heads (see configs/strategy/medusa.yaml)")
+        self.heads: Heads = heads(target=target) if callable(heads) and not hasattr(heads, "topk") else heads
+        if acceptance not in ACCEPTANCE:
+            raise SpecdecError(f"unknown strategy.acceptance={acceptance!r}; use typical or exact")
+        if not (0 < epsilon <= 1 and delta > 0):
+            raise SpecdecError(f"typical acceptance needs 0 < epsilon <= 1 and delta > 0, got {epsilon}, {delta}")
+        self.paths = load_tree(tree, self.heads.num_heads)
+        self.acceptance, self.epsilon, self.delta = acceptance, epsilon, delta
+
+    def make_proposer(self) -> MedusaProposer:
+        # the tree plus its root must fit the cache; the loop checks nothing else
+        return MedusaProposer(self.heads, self.paths, lambda: self.engine.max_len - self.engine.length - 1)
+
+    def accept(self, proposal: Proposal, logits: Tensor, state: DecodeState) -> Verdict:
+        if self.acceptance == "typical" and not state.params.sampling.greedy:
+            return verify_typical(proposal, logits, state.params.sampling, state.generator, self.epsilon, self.delta)
+        return super().accept(proposal, logits, state)

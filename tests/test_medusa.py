@@ -1,0 +1,318 @@
+"""Medusa: heads, tree verification against sequential decoding, losslessness, training, tree tuning."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import assert_cache_matches_fresh, chain_forward, random_ids
+from omegaconf import OmegaConf
+
+from heads.medusa import CONFIG_FILE, MedusaHeads, load_heads, medusa_heads, output_weight
+from heads.medusa_train import MedusaTrainable
+from specdec.cli_checks import CONFIG_DIR
+from specdec.engine.engine import StaticEngine
+from specdec.engine.sampling import SamplingParams
+from specdec.errors import SpecdecError
+from specdec.models.loader import LoadedModel
+from specdec.strategies.base import DecodeState, GenerationParams, TurnResult
+from specdec.strategies.greedy import Greedy
+from specdec.strategies.medusa import Medusa, MedusaProposer, chain_tree, load_tree
+from specdec.trees import paths_to_parents, tree_depth, tree_mask
+from specdec.verify import Proposal, verify_typical
+
+VOCAB = 512
+CHAIN = chain_tree(4)
+WIDE = [(r,) for r in range(8)] + [(0, 0), (1, 0)]
+DEEP = [(0,), (0, 0), (0, 0, 0), (0, 0, 0, 0), (1,), (1, 0), (1, 0, 0), (0, 1), (0, 1, 0)]
+TREES = {"chain": CHAIN, "wide": WIDE, "deep": DEEP, "default": "default"}
+
+
+def path_of(parents: list[int], node: int) -> list[int]:
+    path = []
+    while node != 0:
+        path.append(node)
+        node = parents[node - 1]
+    return path[::-1]
+
+
+# ------------------------------------------------------------------------------------------------
+# tree verification at the engine level
+# ------------------------------------------------------------------------------------------------
+
+
+def test_tree_logits_equal_sequential_decoding_and_compaction_equals_fresh(tiny_target: LoadedModel) -> None:
+    prompt = random_ids(11, VOCAB, seed=21)
+    parents, _ = paths_to_parents(DEEP + WIDE)
+    tokens = random_ids(len(parents), VOCAB, seed=22)
+    nodes = [prompt[-1], *tokens]
+    engine = StaticEngine(tiny_target.model, 96)
+    engine.prefill(prompt[:-1])
+    base = engine.length
+    out = engine.forward(torch.tensor(nodes), tree_depth(parents), tree_mask(parents))
+    for node in range(len(nodes)):
+        seq = prompt[:-1] + [nodes[0]] + [nodes[n] for n in path_of(parents, node)]
+        _, ref = chain_forward(tiny_target.model, seq)
+        torch.testing.assert_close(out.logits[node], ref[-1], atol=1e-5, rtol=1e-4)
+    deepest = max(range(len(nodes)), key=lambda n: (len(path_of(parents, n)), n))  # a late branch: not contiguous
+    keep = [0, *path_of(parents, deepest)]
+    assert keep != list(range(len(keep)))
+    engine.compact(base, [base + n for n in keep])
+    assert_cache_matches_fresh(engine, prompt[:-1] + [nodes[n] for n in keep])
+
+
+# ------------------------------------------------------------------------------------------------
+# heads
+# ------------------------------------------------------------------------------------------------
+
+
+def test_heads_shapes_and_kept_vocab_ids(tiny_target: LoadedModel) -> None:
+    heads = medusa_heads(tiny_target, num_heads=3, num_layers=2, head_vocab=100, seed=0)
+    h = torch.randn(2, 5, 64)
+    assert heads(h).shape == (2, 5, 3, 100)
+    top = heads.topk(h[0, 0], 4)
+    assert top.shape == (3, 4)
+    assert set(top.flatten().tolist()) <= set(heads.kept_ids.tolist())
+    full = medusa_heads(tiny_target, num_heads=3, seed=0)
+    assert full(h).shape == (2, 5, 3, VOCAB)
+
+
+def test_untrained_heads_start_as_the_target_head(tiny_target: LoadedModel) -> None:
+    heads = medusa_heads(tiny_target, num_heads=2)
+    h = torch.randn(64)
+    want = tiny_target.model.lm_head(h[None])[0].argmax()
+    assert heads.topk(h, 1)[:, 0].tolist() == [int(want)] * 2
+
+
+@pytest.mark.parametrize("projection", ["shared", "own"])
+def test_head_blocks_are_independent(tiny_target: LoadedModel, projection: str) -> None:
+    heads = medusa_heads(tiny_target, num_heads=3, num_layers=2, projection=projection, seed=1)
+    blocks = [m for m in heads.modules() if type(m).__name__ == "ResBlock"]
+    assert len(blocks) == 6 and len({id(b) for b in blocks}) == 6
+    ptrs = [p.data_ptr() for p in heads.parameters()]
+    assert len(ptrs) == len(set(ptrs))
+    h = torch.randn(4, 64)
+    before = heads(h)
+    with torch.no_grad():
+        heads.blocks[1][0].linear.weight.add_(0.5)
+    after = heads(h)
+    changed = [not torch.equal(before[:, k], after[:, k]) for k in range(3)]
+    assert changed == [False, True, False]
+
+
+@pytest.mark.parametrize("projection", ["shared", "own"])
+def test_save_load_round_trip(tiny_target: LoadedModel, tmp_path: Path, projection: str) -> None:
+    cfg = medusa_heads(tiny_target, num_heads=3, projection=projection, head_vocab=64).cfg
+    # kept ids that are not a prefix: they must travel with the weights
+    heads = MedusaHeads(cfg, output_weight(tiny_target), torch.arange(64) * 7)
+    with torch.no_grad():
+        for p in heads.parameters():
+            p.add_(torch.randn(p.shape) * 0.1)
+    heads.save(tmp_path / "m", {"steps": 3})
+    loaded = load_heads(tiny_target, tmp_path / "m")
+    h = torch.randn(6, 64)
+    torch.testing.assert_close(loaded(h), heads(h), rtol=0, atol=0)
+    assert loaded.kept_ids.tolist() == heads.kept_ids.tolist()
+    assert loaded.cfg == heads.cfg
+
+
+def test_heads_of_another_model_are_refused(tiny_target: LoadedModel, load_tiny, tmp_path: Path) -> None:
+    medusa_heads(tiny_target, num_heads=2, seed=0).save(tmp_path / "m")
+    other = load_tiny("llama")  # same shape and name, other weights
+    with pytest.raises(SpecdecError, match="trained for tiny-llama") as err:
+        load_heads(other, tmp_path / "m")
+    assert "\n" not in str(err.value)
+    with pytest.raises(SpecdecError, match="no Medusa heads"):
+        load_heads(tiny_target, tmp_path / "missing")
+    (tmp_path / "m" / CONFIG_FILE).write_text("{oops")
+    with pytest.raises(SpecdecError, match="not a Medusa heads config"):
+        load_heads(tiny_target, tmp_path / "m")
+
+
+# ------------------------------------------------------------------------------------------------
+# the strategy: lossless at temperature 0
+# ------------------------------------------------------------------------------------------------
+
+
+def _greedy_outputs(target: LoadedModel, prompts: list[list[int]], n: int) -> list[list[int]]:
+    g = Greedy(target, "greedy", max_len=256)
+    return [g.generate(p, GenerationParams(n), 0).output_ids for p in prompts]
+
+
+PROMPTS = [random_ids(9 + 4 * i, VOCAB, seed=30 + i) for i in range(3)]
+
+
+@pytest.mark.parametrize("tree", list(TREES))
+def test_random_heads_reproduce_greedy(tiny_target: LoadedModel, tree: str) -> None:
+    medusa = Medusa(tiny_target, max_len=256, heads=medusa_heads(tiny_target, num_heads=4, seed=5),
+                    tree=TREES[tree])
+    params = GenerationParams(40)
+    for prompt, want in zip(PROMPTS, _greedy_outputs(tiny_target, PROMPTS, 40)):
+        res = medusa.generate(prompt, params, 0)
+        assert res.output_ids == want
+        _check_accounting(res)
+
+
+def _check_accounting(res: TurnResult) -> None:
+    assert res.accept_lengths is not None and res.decode_steps is not None
+    assert sum(res.accept_lengths) == len(res.output_ids)
+    assert len(res.accept_lengths) == res.decode_steps + 1
+
+
+class OracleProposer(MedusaProposer):
+    """Heads that often guess right: the true continuation at rank 0 or 1, noise elsewhere."""
+
+    def __init__(self, reference: list[int], seed: int, *args: object) -> None:
+        super().__init__(*args)  # type: ignore[arg-type]
+        self.reference = reference
+        self.gen = torch.Generator().manual_seed(seed)
+
+    def candidates(self, state: DecodeState) -> torch.Tensor:
+        K = self.heads.num_heads
+        top = torch.randint(3, VOCAB, (K, self.width), generator=self.gen)
+        root = state.output_len - 1  # index of the root in the reference output
+        for d in range(K):
+            i = root + 1 + d
+            u = float(torch.rand((), generator=self.gen))
+            rank = 0 if u < 0.7 else 1 if u < 0.9 else None
+            if i < len(self.reference) and rank is not None and rank < self.width:
+                top[d, rank] = self.reference[i]
+        return top
+
+
+@pytest.mark.parametrize("tree", ["chain", "wide", "deep", "default"])
+def test_oracle_heads_accept_long_paths_and_stay_lossless(tiny_target: LoadedModel, tree: str) -> None:
+    n = 48
+    medusa = Medusa(tiny_target, max_len=256, heads=medusa_heads(tiny_target, num_heads=4), tree=TREES[tree])
+    compactions: list[list[int]] = []
+    real_compact = medusa.engine.compact
+
+    def spy(start: int, keep: list[int]) -> None:
+        compactions.append([k - start for k in keep])
+        real_compact(start, keep)
+
+    medusa.engine.compact = spy  # type: ignore[method-assign]
+    longest = 0
+    room = lambda: medusa.engine.max_len - medusa.engine.length - 1  # noqa: E731
+    for i, (prompt, want) in enumerate(zip(PROMPTS, _greedy_outputs(tiny_target, PROMPTS, n + 8))):
+        medusa.make_proposer = lambda w=want, s=i: OracleProposer(  # type: ignore[method-assign]
+            w, s, medusa.heads, medusa.paths, room)
+        res = medusa.generate(prompt, GenerationParams(n), 0)
+        assert res.output_ids == want[:n]
+        _check_accounting(res)
+        longest = max(longest, max(res.accept_lengths or [0]))
+    depth = max(len(p) for p in medusa.paths)
+    assert longest == depth + 1  # a whole root-to-leaf path accepted in one pass
+    if tree != "chain":  # a path through a rank-1 node sits behind its siblings: its K/V must move
+        assert any(keep != list(range(len(keep))) for keep in compactions)
+
+
+def test_tree_is_trimmed_to_the_cache(tiny_target: LoadedModel) -> None:
+    prompt = random_ids(20, VOCAB, seed=40)
+    medusa = Medusa(tiny_target, max_len=40, heads=medusa_heads(tiny_target, num_heads=4, seed=3), tree="default")
+    res = medusa.generate(prompt, GenerationParams(19), 0)
+    assert res.output_ids == _greedy_outputs(tiny_target, [prompt], 19)[0]
+
+
+def test_tree_specs(tmp_path: Path) -> None:
+    assert load_tree("chain", 3) == [(0,), (0, 0), (0, 0, 0)]
+    assert all(len(p) <= 2 for p in load_tree("default", 2))
+    (tmp_path / "t.yaml").write_text("choices:\n- [0]\n- [1]\n- [0, 0]\n")
+    assert load_tree(str(tmp_path / "t.yaml"), 4) == [(0,), (1,), (0, 0)]
+    with pytest.raises(SpecdecError, match="2 deep"):
+        load_tree([[0], [0, 0]], 1)
+    with pytest.raises(SpecdecError, match="not found"):
+        load_tree(str(tmp_path / "none.yaml"), 4)
+
+
+def test_strategy_config_builds(tiny_target: LoadedModel) -> None:
+    cfg = OmegaConf.load(CONFIG_DIR / "strategy" / "medusa.yaml")
+    cfg.heads.path = None
+    from hydra.utils import instantiate
+
+    factory = instantiate(cfg)
+    strategy = factory(target=tiny_target, max_len=128, prefill_chunk=32)
+    assert isinstance(strategy, Medusa) and isinstance(strategy.heads, MedusaHeads)
+    assert strategy.name == "medusa"
+    cfg.heads.path = "/nonexistent/heads"
+    with pytest.raises(SpecdecError, match="no Medusa heads"):
+        instantiate(cfg)(target=tiny_target, max_len=128, prefill_chunk=32)
+
+
+# ------------------------------------------------------------------------------------------------
+# typical acceptance (temperature > 0)
+# ------------------------------------------------------------------------------------------------
+
+
+def test_verify_typical_rule() -> None:
+    V = 6
+    logits = torch.full((5, V), -10.0)
+    logits[0, 1], logits[0, 2] = 3.0, 2.5  # root: tokens 1 and 2 both plausible
+    logits[1, 3] = 5.0  # after node 1: confident in 3
+    logits[2, 4] = 5.0
+    logits[3, 5] = 5.0
+    # node 1 = token 1, node 2 = token 2 (both children of the root), node 3 = token 0 under node 1 (unlikely),
+    # node 4 = token 4 under node 2 (the confident choice)
+    proposal = Proposal(torch.tensor([1, 2, 0, 4]), [0, 0, 1, 2])
+    params = SamplingParams(temperature=1.0)
+    gen = torch.Generator().manual_seed(0)
+    v = verify_typical(proposal, logits, params, gen, epsilon=0.09, delta=0.3)
+    assert v.nodes == [2, 4]
+    v2 = verify_typical(proposal, logits, params, torch.Generator().manual_seed(0), epsilon=0.09, delta=0.3)
+    assert v2 == v
+    # a stricter threshold than any probability here rejects everything; the target still gives a token
+    strict = verify_typical(proposal, logits, params, gen, epsilon=1.0, delta=100.0)
+    assert strict.nodes == [] and len(strict.tokens) == 1
+
+
+def test_typical_acceptance_is_reproducible(tiny_target: LoadedModel) -> None:
+    medusa = Medusa(tiny_target, max_len=256, heads=medusa_heads(tiny_target, num_heads=4), tree="default")
+    params = GenerationParams(32, SamplingParams(temperature=0.8, top_p=0.95))
+    runs = [medusa.generate(PROMPTS[0], params, seed).output_ids for seed in (7, 7, 8)]
+    assert runs[0] == runs[1] and len(runs[0]) == 32
+    assert runs[0] != runs[2]
+    exact = Medusa(tiny_target, max_len=256, heads=medusa.heads, tree="default", acceptance="exact")
+    assert exact.generate(PROMPTS[0], params, 7).output_ids == exact.generate(PROMPTS[0], params, 7).output_ids
+
+
+def test_bad_acceptance_is_refused(tiny_target: LoadedModel) -> None:
+    with pytest.raises(SpecdecError, match="acceptance"):
+        Medusa(tiny_target, heads=medusa_heads(tiny_target), acceptance="greedy")
+
+
+# ------------------------------------------------------------------------------------------------
+# training
+# ------------------------------------------------------------------------------------------------
+
+
+def _distill_batch(target: LoadedModel, n_prompts: int, n_new: int) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """The target's own greedy continuations: input_ids, labels (-100 on the prompt), hidden states."""
+    prompts = [random_ids(6, VOCAB, seed=60 + i) for i in range(n_prompts)]
+    outs = _greedy_outputs(target, prompts, n_new)
+    ids = torch.tensor([p + o for p, o in zip(prompts, outs)])  # (B, T)
+    labels = torch.full_like(ids, -100)
+    labels[:, 5:-1] = ids[:, 6:]
+    engine = StaticEngine(target.model, 128)
+    hidden = torch.stack([engine.prefill(row.tolist()).hidden for row in ids])  # (B, T, dim)
+    return {"input_ids": ids, "labels": labels, "attention_mask": torch.ones_like(ids)}, hidden
+
+
+def test_short_training_lowers_the_loss(tiny_target: LoadedModel) -> None:
+    torch.manual_seed(0)
+    batch, hidden = _distill_batch(tiny_target, 6, 24)
+    data = type("Data", (), {"column_names": ["labels"], "__getitem__": lambda s, k: batch["labels"].tolist()})()
+    trainable = MedusaTrainable(num_heads=3, num_layers=1, head_vocab=256)
+    heads = trainable.build(tiny_target, data)
+    kept = set(heads.kept_ids.tolist())
+    assert set(batch["labels"][batch["labels"] >= 0].tolist()) <= kept  # every label is in the kept vocabulary
+    opt = torch.optim.AdamW([p for p in heads.parameters() if p.requires_grad], lr=3e-3)
+    first, metrics = trainable.loss(heads, batch, hidden)
+    assert {"loss", "loss_0", "top1_0", "top5_2"} <= set(metrics)
+    for _ in range(60):
+        loss, metrics = trainable.loss(heads, batch, hidden)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    assert metrics["loss"] < 0.7 * float(first)
+    assert metrics["top1_0"] > 0.3
