@@ -88,17 +88,26 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: Tensor) -> Tensor:
-        # Normalise in fp32 like the reference so bf16 runs agree on argmax as often as possible.
+        # normalise in fp32 as the reference does (a no-op cast for fp32 models)
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * xf.to(x.dtype)
 
 
-def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    # x: (B, H, T, D); cos/sin: (B, 1, T, D) in the rotate-half layout Hugging Face checkpoints use
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+def apply_rope(x: Tensor, freqs: Tensor) -> Tensor:
+    """Rotate adjacent pairs of x (B, T, H, D) by freqs (B, T, 1, D/2) as complex numbers.
+
+    Checkpoints use the rotate-half layout (pairs i and i + D/2); at load time we permute the rows
+    of wq and wk so pairs become adjacent, which leaves q.k unchanged and makes rope three ops.
+    """
+    xc = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))
+    return torch.view_as_real(xc * freqs).flatten(-2).to(x.dtype)
+
+
+def interleave_rows(w: Tensor, n_heads: int, head_dim: int) -> Tensor:
+    """Reorder each head's rows from [0..D/2, D/2..D] to [0, D/2, 1, D/2+1, ...]."""
+    rest = w.shape[1:]
+    return w.reshape(n_heads, 2, head_dim // 2, *rest).transpose(1, 2).reshape(n_heads * head_dim, *rest)
 
 
 class Attention(nn.Module):
@@ -110,12 +119,12 @@ class Attention(nn.Module):
         self.wqkv = nn.Linear(args.dim, qkv_out, bias=args.qkv_bias)
         self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=args.o_bias)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, cache: KVCache, mask: Tensor | None) -> Tensor:
+    def forward(self, x: Tensor, freqs: Tensor, cache: KVCache, mask: Tensor | None) -> Tensor:
         B, T, _ = x.shape
         H, Hkv, D = self.n_heads, self.n_kv, self.head_dim
-        q, k, v = self.wqkv(x).split([H * D, Hkv * D, Hkv * D], dim=-1)
-        q = apply_rope(q.view(B, T, H, D).transpose(1, 2), cos, sin)  # (B, H, T, D)
-        k = apply_rope(k.view(B, T, Hkv, D).transpose(1, 2), cos, sin)  # (B, Hkv, T, D)
+        qk, v = self.wqkv(x).split([(H + Hkv) * D, Hkv * D], dim=-1)
+        qk = apply_rope(qk.view(B, T, H + Hkv, D), freqs).transpose(1, 2)  # (B, H + Hkv, T, D)
+        q, k = qk.split([H, Hkv], dim=1)  # (B, H, T, D), (B, Hkv, T, D)
         v = v.view(B, T, Hkv, D).transpose(1, 2)
         keys, values = cache.write(self.layer, k, v)  # (B, Hkv, S, D), S = filled + T
         y = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=H != Hkv)
@@ -142,8 +151,8 @@ class Block(nn.Module):
         self.mlp_norm = RMSNorm(args.dim, args.norm_eps)
         self.mlp = MLP(args)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, cache: KVCache, mask: Tensor | None) -> Tensor:
-        x = x + self.attn(self.attn_norm(x), cos, sin, cache, mask)
+    def forward(self, x: Tensor, freqs: Tensor, cache: KVCache, mask: Tensor | None) -> Tensor:
+        x = x + self.attn(self.attn_norm(x), freqs, cache, mask)
         return x + self.mlp(self.mlp_norm(x))
 
 
@@ -169,10 +178,9 @@ class Llama(nn.Module):
         a = self.args
         return KVCache(a.n_layers, batch, a.n_kv_heads, max_len, a.head_dim, self.dtype, self.device)
 
-    def rope(self, positions: Tensor) -> tuple[Tensor, Tensor]:
-        freqs = positions[..., None].float() * self.inv_freq  # (B, T, D/2)
-        emb = torch.cat((freqs, freqs), dim=-1)[:, None]  # (B, 1, T, D)
-        return emb.cos().to(self.dtype), emb.sin().to(self.dtype)
+    def rope(self, positions: Tensor) -> Tensor:
+        angles = positions[..., None, None].float() * self.inv_freq  # (B, T, 1, D/2)
+        return torch.polar(torch.ones_like(angles), angles)
 
     def forward(self, tokens: Tensor, positions: Tensor, cache: KVCache, mask: Tensor | None = None,
                 logits_from: int = 0) -> tuple[Tensor, Tensor]:
@@ -183,10 +191,10 @@ class Llama(nn.Module):
         final-norm hidden states (B, T, dim).
         """
         cache.reserve(tokens.shape[1])
-        cos, sin = self.rope(positions)
+        freqs = self.rope(positions)
         x = self.embed(tokens)  # (B, T, dim)
         for block in self.layers:
-            x = block(x, cos, sin, cache, mask)
+            x = block(x, freqs, cache, mask)
         cache.advance(tokens.shape[1])
         h = self.norm(x)
         return self.lm_head(h[:, logits_from:]), h
@@ -206,9 +214,10 @@ class Llama(nn.Module):
         for i in range(a.n_layers):
             p, q = f"model.layers.{i}.", f"layers.{i}."
             att = p + "self_attn."
-            own[q + "attn.wqkv.weight"] = torch.cat([take(att + f"{n}_proj.weight") for n in "qkv"])
-            if a.qkv_bias:
-                own[q + "attn.wqkv.bias"] = torch.cat([take(att + f"{n}_proj.bias") for n in "qkv"])
+            for kind in ("weight", "bias") if a.qkv_bias else ("weight",):
+                wq = interleave_rows(take(att + f"q_proj.{kind}"), a.n_heads, a.head_dim)
+                wk = interleave_rows(take(att + f"k_proj.{kind}"), a.n_kv_heads, a.head_dim)
+                own[q + f"attn.wqkv.{kind}"] = torch.cat([wq, wk, take(att + f"v_proj.{kind}")])
             own[q + "attn.wo.weight"] = take(att + "o_proj.weight")
             if a.o_bias:
                 own[q + "attn.wo.bias"] = take(att + "o_proj.bias")
