@@ -19,14 +19,439 @@ Interface for a trainable drafter (`configs/head/NAME.yaml`, whose `_target_` bu
             #   -100 where nothing should be learnt (the prompt, padding, the last token).
             # target_hidden: (B, T, D) final-norm hidden states of the frozen target for input_ids
             #   (computed by the trainer, cached on disk with `train.cache_hidden`), None unless needs_hidden.
-            # Returns the scalar loss and floats to log (e.g. {"acc": ...}).
+            # Returns the scalar loss and floats to log (e.g. {"acc": ...}). `module` is the module as
+            # accelerate prepared it (DistributedDataParallel under `accelerate launch`): call it (its
+            # forward) rather than its methods, or gradients are not synchronised across processes.
 
         def save(self, module: nn.Module, out_dir: Path, meta: dict[str, Any]) -> None:
-            # The shipped artifact: safetensors weights + a JSON config. `meta` carries base_model,
-            # hidden_size, vocab_size, target_folder, steps, loss...; write them so a loader can refuse
-            # another model with a clear error.
+            # The shipped artifact: safetensors weights + a JSON config naming the base model, its
+            # hidden and vocabulary sizes (so a loader refuses another model with a clear error), plus
+            # `meta`: training facts from the trainer (steps, minutes, loss, validation, full config).
+            # `module` is unwrapped.
 
-The trainer (`train`) owns data, device placement and mixed precision (accelerate), the optimizer,
-logging (logger=wandb|none), the time budget (`train.max_minutes`) and resumable checkpoints
-(trainable parameters + optimizer state in safetensors, counters in JSON, under OUTPUT/checkpoints/).
+The trainer (`train`) owns data (heads/distill_data.py), device placement and mixed precision
+(accelerate), the optimizer (AdamW over parameters with requires_grad), logging (logger=wandb|none),
+the time budget (`train.max_minutes`), a held-out validation and resumable checkpoints (trainable
+parameters + optimizer state in safetensors, counters in JSON, under OUTPUT/checkpoints/, resumed
+from the last one). OUTPUT defaults to heads/checkpoints/MODEL-NAME, NAME being the trainable's
+`name` attribute (its config need not set it).
 """
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import shutil
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import hydra
+import torch
+from hydra.utils import instantiate
+from omegaconf import DictConfig, OmegaConf
+from torch import Tensor, nn
+from torch.utils.data import DataLoader, Sampler
+
+from specdec.cli_checks import CONFIG_DIR
+from specdec.errors import SpecdecError
+from specdec.models.loader import LoadedModel
+
+CHECKPOINTS = "checkpoints"
+
+
+class Trainable(Protocol):
+    name: str
+    needs_hidden: bool
+
+    def build(self, target: LoadedModel, data: Any) -> nn.Module: ...
+
+    def loss(self, module: nn.Module, batch: dict[str, Tensor],
+             target_hidden: Tensor | None) -> tuple[Tensor, dict[str, float]]: ...
+
+    def save(self, module: nn.Module, out_dir: Path, meta: dict[str, Any]) -> None: ...
+
+
+@dataclass
+class TrainState:
+    step: int = 0
+    epoch: int = 0
+    batch_in_epoch: int = 0  # global batches of this epoch already trained on
+    elapsed_s: float = 0.0
+    loss_ema: float | None = None
+
+
+# --------------------------------------------------------------------------------------------------
+# Data
+# --------------------------------------------------------------------------------------------------
+
+
+class LengthBatches(Sampler[list[int]]):
+    """Batches of similar lengths (less padding), in an order fixed by (seed, epoch): a resumed run
+    skips exactly the batches it had trained on."""
+
+    def __init__(self, lengths: list[int], batch_size: int, seed: int, epoch: int, skip: int = 0,
+                 pool: int = 50) -> None:
+        g = torch.Generator().manual_seed(seed * 100_003 + epoch)
+        perm = torch.randperm(len(lengths), generator=g).tolist()
+        batches: list[list[int]] = []
+        span = batch_size * pool
+        for s in range(0, len(perm), span):
+            group = sorted(perm[s:s + span], key=lambda i: lengths[i])
+            batches += [group[j:j + batch_size] for j in range(0, len(group), batch_size)]
+        order = torch.randperm(len(batches), generator=g).tolist()
+        self.batches = [batches[i] for i in order][skip:]
+
+    def __iter__(self):  # type: ignore[no-untyped-def]
+        return iter(self.batches)
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+
+def collate(rows: list[dict[str, Any]], seq_len: int, pad_id: int) -> dict[str, Tensor]:
+    """Right-padded (B, T) input_ids, labels (-100 on padding) and attention_mask; `hidden` if cached."""
+    T = min(seq_len, max(len(r["input_ids"]) for r in rows))
+    B = len(rows)
+    ids = torch.full((B, T), pad_id, dtype=torch.long)
+    labels = torch.full((B, T), -100, dtype=torch.long)
+    mask = torch.zeros((B, T), dtype=torch.long)
+    for b, r in enumerate(rows):
+        n = min(T, len(r["input_ids"]))
+        ids[b, :n] = torch.tensor(r["input_ids"][:n])
+        labels[b, :n] = torch.tensor(r["labels"][:n])
+        mask[b, :n] = 1
+    batch = {"input_ids": ids, "labels": labels, "attention_mask": mask}
+    if "hidden" in rows[0]:
+        D = len(rows[0]["hidden"][0])
+        hidden = torch.zeros((B, T, D), dtype=torch.float32)
+        for b, r in enumerate(rows):
+            n = min(T, len(r["hidden"]))
+            hidden[b, :n] = torch.tensor(r["hidden"][:n])
+        batch["hidden"] = hidden
+    return batch
+
+
+class _NoCache:
+    """Stands in for the KV cache in a training forward: attention over the batch's own tokens."""
+
+    def reserve(self, n_new: int) -> None:
+        pass
+
+    def write(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        return k, v
+
+    def advance(self, n_new: int) -> None:
+        pass
+
+
+@torch.no_grad()
+def target_hidden(target: LoadedModel, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
+    """(B, T, D) final-norm hidden states of the frozen target for right-padded input_ids."""
+    input_ids = input_ids.to(target.device)
+    if target.backend == "compact":
+        B, T = input_ids.shape
+        pos = torch.arange(T, device=target.device).expand(B, T)
+        causal = torch.ones(T, T, dtype=torch.bool, device=target.device).tril()[None, None]  # (1, 1, T, T)
+        _, h = target.model(input_ids, pos, _NoCache(), causal, logits_from=T)
+        return h.float()
+    out = target.model(input_ids=input_ids, attention_mask=attention_mask.to(target.device),
+                       output_hidden_states=True)
+    return out.hidden_states[-1].float()
+
+
+def with_cached_hidden(data: Any, target: LoadedModel, seq_len: int, batch_size: int) -> Any:
+    """Add the target's hidden states as an fp16 column, computed once (datasets' Arrow cache)."""
+    import datasets
+
+    folder = Path(data.cache_files[0]["filename"]).parent if data.cache_files else None
+    features = data.features.copy()
+    features["hidden"] = datasets.Sequence(datasets.Sequence(datasets.Value("float16")))
+
+    def add(rows: dict[str, list[Any]]) -> dict[str, list[Any]]:
+        batch = collate([dict(zip(rows, v)) for v in zip(*rows.values())], seq_len, 0)
+        h = target_hidden(target, batch["input_ids"], batch["attention_mask"]).half().cpu()
+        lens = batch["attention_mask"].sum(-1).tolist()
+        return rows | {"hidden": [h[b, :n].tolist() for b, n in enumerate(lens)]}
+
+    name = str(folder / f"hidden-{target.folder.name}-{seq_len}.arrow") if folder else None
+    return data.map(add, batched=True, batch_size=batch_size, features=features, cache_file_name=name,
+                    desc="target hidden states")
+
+
+# --------------------------------------------------------------------------------------------------
+# Checkpoints: trainable parameters and optimizer state in safetensors, counters in JSON
+# --------------------------------------------------------------------------------------------------
+
+
+def trainable_state(module: nn.Module) -> dict[str, Tensor]:
+    return {n: p.detach().contiguous().cpu() for n, p in module.named_parameters() if p.requires_grad}
+
+
+def save_checkpoint(folder: Path, module: nn.Module, optimizer: torch.optim.Optimizer, state: TrainState,
+                    config_key: str, keep: int = 2) -> Path:
+    from safetensors.torch import save_file
+
+    root = folder / CHECKPOINTS
+    root.mkdir(parents=True, exist_ok=True)
+    (root / ".gitignore").write_text("*\n")  # resumable state is large and local; only the artifact ships
+    final = root / f"step-{state.step:07d}"
+    tmp = root / f".tmp-{final.name}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    save_file(trainable_state(module), str(tmp / "trainable.safetensors"))
+    opt = optimizer.state_dict()
+    tensors = {f"{i}.{k}": (v if torch.is_tensor(v) else torch.tensor(v)).detach().contiguous().cpu()
+               for i, s in opt["state"].items() for k, v in s.items()}
+    save_file(tensors, str(tmp / "optimizer.safetensors"))
+    meta = {"state": asdict(state), "config_key": config_key, "param_groups": opt["param_groups"]}
+    (tmp / "trainer_state.json").write_text(json.dumps(meta, indent=2))
+    shutil.rmtree(final, ignore_errors=True)
+    tmp.rename(final)
+    for old in sorted(root.glob("step-*"))[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def latest_checkpoint(folder: Path) -> Path | None:
+    done = [p for p in sorted((folder / CHECKPOINTS).glob("step-*")) if (p / "trainer_state.json").is_file()]
+    return done[-1] if done else None
+
+
+def load_checkpoint(path: Path, module: nn.Module, optimizer: torch.optim.Optimizer, config_key: str) -> TrainState:
+    from safetensors.torch import load_file
+
+    meta = json.loads((path / "trainer_state.json").read_text())
+    if meta["config_key"] != config_key:
+        raise SpecdecError(f"the checkpoint in {path} was made with another model, head or data config; pass "
+                           "train.resume=false to start over, or another output_dir")
+    params = dict(module.named_parameters())
+    saved = load_file(str(path / "trainable.safetensors"))
+    if set(saved) != {n for n, p in params.items() if p.requires_grad}:
+        raise SpecdecError(f"the checkpoint in {path} does not match the module's trainable parameters; pass "
+                           "train.resume=false to start over")
+    with torch.no_grad():
+        for n, t in saved.items():
+            params[n].copy_(t)
+    tensors = load_file(str(path / "optimizer.safetensors"))
+    opt_state: dict[int, dict[str, Tensor]] = {}
+    for key, t in tensors.items():
+        i, k = key.split(".", 1)
+        opt_state.setdefault(int(i), {})[k] = t
+    device = next(iter(params.values())).device
+    opt_state = {i: {k: (v if k == "step" else v.to(device)) for k, v in s.items()} for i, s in opt_state.items()}
+    optimizer.load_state_dict({"state": opt_state, "param_groups": meta["param_groups"]})
+    return TrainState(**meta["state"])
+
+
+# --------------------------------------------------------------------------------------------------
+# The loop
+# --------------------------------------------------------------------------------------------------
+
+
+def lr_at(step: int, progress: float, lr: float, warmup_steps: int, min_lr_ratio: float) -> float:
+    """Linear warm-up, then cosine decay over `progress` (the larger of the step and time fractions)."""
+    if step < warmup_steps:
+        return lr * (step + 1) / warmup_steps
+    p = min(1.0, max(0.0, progress))
+    return lr * (min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * p)))
+
+
+def _config_key(cfg: DictConfig) -> str:
+    t = cfg.train
+    spec = {"model": OmegaConf.to_container(cfg.model, resolve=True), "head": OmegaConf.to_container(cfg.head),
+            "data": OmegaConf.to_container(cfg.data, resolve=True),
+            "train": {k: t[k] for k in ("lr", "batch_size", "seq_len", "seed", "weight_decay", "val_fraction")}}
+    return hashlib.sha256(json.dumps(spec, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def _log(logger: Any, metrics: dict[str, float], step: int) -> None:
+    fn = getattr(logger, "log_metrics", None)
+    if fn is not None:
+        fn(metrics, step)
+        return
+    run = getattr(logger, "run", None)  # WandbLogger: the W&B run itself
+    if run is not None:
+        run.log(metrics, step=step)
+
+
+@torch.no_grad()
+def evaluate(trainable: Trainable, module: nn.Module, target: LoadedModel, loader: Any, accelerator: Any
+             ) -> dict[str, float]:
+    module.eval()
+    sums: dict[str, float] = {}
+    n = 0
+    for batch in loader:
+        hidden = batch.pop("hidden", None)
+        if trainable.needs_hidden and hidden is None:
+            hidden = target_hidden(target, batch["input_ids"], batch["attention_mask"])
+        with accelerator.autocast():
+            loss, logs = trainable.loss(module, batch, hidden)
+        for k, v in ({"loss": float(loss)} | logs).items():
+            sums[k] = sums.get(k, 0.0) + v
+        n += 1
+    module.train()
+    return {f"val/{k}": v / n for k, v in sums.items()} if n else {}
+
+
+def train(cfg: DictConfig) -> dict[str, Any]:
+    """Build the data, train `cfg.head` on it within the budget, save the artifact; returns its metadata."""
+    from accelerate import Accelerator
+
+    from heads.distill_data import build_distill_dataset
+
+    t = cfg.train
+    accelerator = Accelerator(mixed_precision=str(t.mixed_precision), cpu=bool(t.cpu))
+    say = accelerator.print
+    torch.manual_seed(int(t.seed))
+    target: LoadedModel = instantiate(cfg.model, device=str(accelerator.device))
+    trainable: Trainable = instantiate(cfg.head)
+    out_dir = Path(cfg.output_dir or f"heads/checkpoints/{target.name}-{trainable.name}")
+    data_cfg = OmegaConf.to_container(cfg.data, resolve=True)
+    assert isinstance(data_cfg, dict)
+    data_cfg["seeds"] = tuple(data_cfg["seeds"])
+    with accelerator.main_process_first():
+        data = build_distill_dataset(target, **data_cfg, log=say)
+        if trainable.needs_hidden and t.cache_hidden:
+            data = with_cached_hidden(data, target, int(t.seq_len), int(t.batch_size))
+    n_val = int(len(data) * float(t.val_fraction)) if len(data) > 1 else 0
+    split = data.train_test_split(test_size=n_val, seed=int(t.seed), shuffle=True) if n_val else None
+    train_data, val_data = (split["train"], split["test"]) if split else (data, None)
+    tokens = sum(sum(1 for x in r if x >= 0) for r in train_data["labels"])
+    say(f"train: {len(train_data)} sequences ({tokens} target tokens), {n_val} held out")
+
+    module = trainable.build(target, train_data)
+    params = [p for p in module.parameters() if p.requires_grad]
+    say(f"train: {sum(p.numel() for p in params) / 1e6:.2f}M trainable parameters")
+    optimizer = torch.optim.AdamW(params, lr=float(t.lr), betas=(0.9, 0.95), weight_decay=float(t.weight_decay))
+    module, optimizer = accelerator.prepare(module, optimizer)
+    config_key = _config_key(cfg)
+    state = TrainState()
+    last = latest_checkpoint(out_dir) if t.resume else None
+    if last is not None:
+        state = load_checkpoint(last, accelerator.unwrap_model(module), optimizer, config_key)
+        say(f"train: resumed from {last} (step {state.step}, {state.elapsed_s / 60:.1f} min)")
+
+    logger = instantiate(cfg.logger) if accelerator.is_main_process else None
+    if logger is not None:
+        logger.start(OmegaConf.to_container(cfg, resolve=True), out_dir / CHECKPOINTS)
+    pad = target.tokenizer.pad_token_id or 0
+    lengths = [len(x) for x in train_data["input_ids"]]
+
+    def batches(dataset: Any, sampler: Sampler[list[int]]) -> Any:
+        return accelerator.prepare(DataLoader(dataset, batch_sampler=sampler,
+                                              collate_fn=lambda rows: collate(rows, int(t.seq_len), pad)))
+
+    budget_s = float(t.max_minutes) * 60
+    max_steps = int(t.max_steps) if t.max_steps else None
+    clock = time.perf_counter() - state.elapsed_s
+    last_save = time.perf_counter()
+    module.train()
+    done = state.epoch >= int(t.epochs)
+    while not done:
+        sampler = LengthBatches(lengths, int(t.batch_size), int(t.seed), state.epoch, skip=state.batch_in_epoch)
+        for batch in batches(train_data, sampler):
+            elapsed = time.perf_counter() - clock
+            progress = max(elapsed / budget_s, state.step / max_steps if max_steps else 0.0)
+            lr = lr_at(state.step, progress, float(t.lr), int(t.warmup_steps), float(t.min_lr_ratio))
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+            hidden = batch.pop("hidden", None)
+            if trainable.needs_hidden and hidden is None:
+                hidden = target_hidden(target, batch["input_ids"], batch["attention_mask"])
+            with accelerator.autocast():
+                loss, logs = trainable.loss(module, batch, hidden)
+            accelerator.backward(loss)
+            if t.grad_clip:
+                accelerator.clip_grad_norm_(params, float(t.grad_clip))
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            state.step += 1
+            state.batch_in_epoch += accelerator.num_processes
+            value = float(loss)
+            state.loss_ema = value if state.loss_ema is None else 0.95 * state.loss_ema + 0.05 * value
+            state.elapsed_s = time.perf_counter() - clock
+            if state.step % int(t.log_every) == 0:
+                metrics = {"train/loss": value, "train/loss_ema": state.loss_ema, "train/lr": lr} | {
+                    f"train/{k}": v for k, v in logs.items()}
+                say(f"step {state.step} epoch {state.epoch} {state.elapsed_s / 60:.1f}min "
+                    + " ".join(f"{k.split('/')[-1]}={v:.4g}" for k, v in metrics.items()))
+                if logger is not None:
+                    _log(logger, metrics, state.step)
+            stop = state.elapsed_s >= budget_s or (max_steps is not None and state.step >= max_steps)
+            if accelerator.num_processes > 1:  # every process must stop at the same step
+                stop = bool(accelerator.reduce(torch.tensor(float(stop), device=accelerator.device), "max"))
+            if stop or time.perf_counter() - last_save >= float(t.save_every_minutes) * 60:
+                accelerator.wait_for_everyone()
+                if accelerator.is_main_process:
+                    save_checkpoint(out_dir, accelerator.unwrap_model(module), optimizer, state, config_key)
+                last_save = time.perf_counter()
+            if stop:
+                done = True
+                break
+        else:
+            state.epoch += 1
+            state.batch_in_epoch = 0
+            done = state.epoch >= int(t.epochs)
+            accelerator.wait_for_everyone()
+            if accelerator.is_main_process:
+                save_checkpoint(out_dir, accelerator.unwrap_model(module), optimizer, state, config_key)
+    val: dict[str, float] = {}
+    if val_data is not None:
+        vlen = [len(x) for x in val_data["input_ids"]]
+        val = evaluate(trainable, module, target, batches(val_data, LengthBatches(vlen, int(t.batch_size), 0, 0)),
+                       accelerator)
+        say("validation: " + " ".join(f"{k}={v:.4g}" for k, v in val.items()))
+        if logger is not None:
+            _log(logger, val, state.step)
+    meta = {"steps": state.step, "epochs": state.epoch, "minutes": state.elapsed_s / 60,
+            "loss_ema": state.loss_ema, "sequences": len(train_data), "target_tokens": tokens,
+            "date": time.strftime("%Y-%m-%d %H:%M:%S"), "config": OmegaConf.to_container(cfg, resolve=True)} | val
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        trainable.save(accelerator.unwrap_model(module), out_dir, meta)
+        say(f"saved {trainable.name} for {target.name} to {out_dir} ({state.step} steps, "
+            f"{state.elapsed_s / 60:.1f} min)")
+    if logger is not None:
+        logger.finish()
+    return meta
+
+
+def _check_head(argv: list[str]) -> None:
+    for arg in argv:
+        key, _, value = arg.partition("=")
+        if key == "head" and not (CONFIG_DIR / "head" / f"{value}.yaml").is_file():
+            names = ", ".join(sorted(p.stem for p in (CONFIG_DIR / "head").glob("*.yaml")))
+            raise SpecdecError(f"unknown head {value!r}; choose one of: {names}")
+
+
+@hydra.main(version_base=None, config_path=str(CONFIG_DIR), config_name="train")
+def hydra_main(cfg: DictConfig) -> None:
+    from specdec.run import user_error
+
+    try:
+        train(cfg)
+    except Exception as e:
+        err = user_error(e)
+        if err is None or cfg.get("debug"):
+            raise
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(2)
+
+
+def main() -> None:
+    try:
+        _check_head(sys.argv[1:])
+    except SpecdecError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    hydra_main()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,130 @@
+"""Self-distillation data: prompts built like the offline suite (never its benchmark questions) and
+the target's own greedy continuations, generated in left-padded batches with transformers.
+
+The result is a `datasets.Dataset` with `input_ids` (prompt + continuation), `labels` (the next
+token at every position, -100 over the prompt and the last position) and `prompt_len`, cached with
+`save_to_disk` under SPECDEC_CACHE/distill/KEY. Generation saves each chunk as it goes, so an
+interrupted run resumes where it stopped.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from specdec.data import default_suite
+from specdec.errors import SpecdecError
+from specdec.models.cache import cache_root
+from specdec.models.loader import LoadedModel
+
+VERSION = 1  # bump when the format or the generation changes
+
+
+def distill_prompts(per_category: int, seeds: list[int], exclude_per_category: int, exclude_seed: int,
+                    max_prompts: int | None = None) -> list[str]:
+    """First turns of default_suite(per_category, seed) for each seed, minus every turn of the
+    benchmark suite default_suite(exclude_per_category, exclude_seed), deduplicated, categories
+    interleaved so that `max_prompts` keeps a mix."""
+    if exclude_seed in seeds:
+        raise SpecdecError(f"data.seeds={list(seeds)} includes the benchmark seed {exclude_seed}; use other seeds")
+    bench = {t for q in default_suite(per_category=exclude_per_category, seed=exclude_seed) for t in q.turns}
+    by_category: dict[str, list[str]] = defaultdict(list)
+    seen: set[str] = set()
+    for seed in seeds:
+        for q in default_suite(per_category=per_category, seed=seed):
+            first = q.turns[0]
+            if first not in bench and first not in seen:
+                seen.add(first)
+                by_category[q.category].append(first)
+    lists = list(by_category.values())
+    mixed = [lst[i] for i in range(max(map(len, lists), default=0)) for lst in lists if i < len(lst)]
+    return mixed[:max_prompts] if max_prompts else mixed
+
+
+def greedy_continuations(target: LoadedModel, prompts: list[list[int]], max_new_tokens: int,
+                         batch_size: int) -> list[list[int]]:
+    """The target's greedy continuation of each prompt (ending at its first end-of-turn token)."""
+    from transformers import GenerationConfig
+
+    model = target.hf_model()
+    eos = list(target.eos_ids)
+    pad = target.tokenizer.pad_token_id
+    pad = pad if pad is not None else (eos[0] if eos else 0)
+    config = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, temperature=None, top_p=None,
+                              top_k=None, eos_token_id=eos or None, pad_token_id=pad)
+    out: list[list[int]] = [[] for _ in prompts]
+    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))  # similar lengths pad less
+    for s in range(0, len(order), batch_size):
+        idx = order[s:s + batch_size]
+        width = max(len(prompts[i]) for i in idx)
+        ids = torch.full((len(idx), width), pad, dtype=torch.long)
+        mask = torch.zeros((len(idx), width), dtype=torch.long)
+        for row, i in enumerate(idx):  # left padding: every prompt ends where generation starts
+            ids[row, width - len(prompts[i]):] = torch.tensor(prompts[i])
+            mask[row, width - len(prompts[i]):] = 1
+        with torch.inference_mode():
+            gen = model.generate(ids.to(model.device), attention_mask=mask.to(model.device), generation_config=config)
+        for row, i in enumerate(idx):
+            cont = gen[row, width:].tolist()
+            cut = next((j + 1 for j, t in enumerate(cont) if t in eos), len(cont))
+            out[i] = cont[:cut]
+    return out
+
+
+def to_example(prompt: list[int], continuation: list[int]) -> dict[str, Any]:
+    seq = prompt + continuation
+    labels = [-100] * len(seq)
+    for t in range(len(prompt) - 1, len(seq) - 1):  # learn the continuation: the token after each position
+        labels[t] = seq[t + 1]
+    return {"input_ids": seq, "labels": labels, "prompt_len": len(prompt)}
+
+
+def _key(target: LoadedModel, prompts: list[str], max_new_tokens: int) -> str:
+    spec = {"v": VERSION, "model": target.folder.name, "dtype": str(target.dtype), "backend": target.backend,
+            "max_new_tokens": max_new_tokens, "prompts": hashlib.sha256("\0".join(prompts).encode()).hexdigest()}
+    return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:12]
+
+
+def build_distill_dataset(target: LoadedModel, per_category: int = 70, seeds: tuple[int, ...] = (1, 2, 3),
+                          exclude_per_category: int = 20, exclude_seed: int = 0, max_prompts: int | None = None,
+                          max_new_tokens: int = 192, batch_size: int = 16, chunk_batches: int = 4,
+                          cache_dir: str | None = None, log: Any = print) -> Any:
+    """The distillation set for `target` (cached); see the module docstring."""
+    import datasets
+
+    prompts = distill_prompts(per_category, list(seeds), exclude_per_category, exclude_seed, max_prompts)
+    if not prompts:
+        raise SpecdecError("no distillation prompts left after excluding the benchmark; raise data.per_category")
+    root = Path(cache_dir).expanduser() if cache_dir else cache_root() / "distill"
+    final = root / f"{target.name}-{_key(target, prompts, max_new_tokens)}"
+    if (final / "dataset_info.json").is_file():
+        return datasets.load_from_disk(str(final))
+    partial = final.with_name(final.name + ".partial")
+    partial.mkdir(parents=True, exist_ok=True)
+    ids = [target.chat_ids([{"role": "user", "content": p}]) for p in prompts]
+    chunk = batch_size * chunk_batches
+    parts = []
+    start = time.perf_counter()
+    for c, s in enumerate(range(0, len(ids), chunk)):
+        part = partial / f"chunk-{c:04d}"
+        if not (part / "dataset_info.json").is_file():
+            conts = greedy_continuations(target, ids[s:s + chunk], max_new_tokens, batch_size)
+            rows = [to_example(p, q) for p, q in zip(ids[s:s + chunk], conts)]
+            datasets.Dataset.from_list(rows).save_to_disk(str(part))
+            done = min(s + chunk, len(ids))
+            log(f"distill: {done}/{len(ids)} prompts, {time.perf_counter() - start:.0f}s")
+        parts.append(datasets.load_from_disk(str(part)))
+    data = datasets.concatenate_datasets(parts)
+    tmp = final.with_name(final.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    data.save_to_disk(str(tmp))
+    tmp.rename(final)
+    shutil.rmtree(partial, ignore_errors=True)
+    return datasets.load_from_disk(str(final))

@@ -1,0 +1,382 @@
+"""specdec's own draft model: the target's architecture cut to a few layers, distilled from the target.
+
+Layout: the target's frozen token embedding -> `layers` decoder blocks of the target's width (initialised
+from chosen target layers) -> a final norm -> the target's frozen output head restricted to the
+`kept_vocab` most frequent tokens of the distillation data. Only the blocks and the norm are trained
+and saved. The reduced head matters on CPU: the full SmolLM2 head (49152 x 576) costs about a quarter
+of a target step, 8k rows a sixth of that. Proposals are mapped back to target ids (`token_ids`), and
+at temperature > 0 the draft distribution is zero outside the kept rows, so speculative sampling stays
+exact (a token the draft cannot propose simply has q = 0).
+
+Saved as OUT/model.safetensors (decoder weights under Hugging Face names, plus `kept_ids`) and
+OUT/config.json (base model, hidden and vocabulary size, layers, a fingerprint of the base model's
+embedding, the draft's Hugging Face config, training metadata). The Hugging Face naming lets one file
+serve both our compact model (strategy=draft) and a transformers model (strategy=hf_assisted).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from specdec.errors import SpecdecError
+from specdec.models.llama import Llama, LlamaArgs
+from specdec.models.loader import LoadedModel
+
+FORMAT = "specdec-draft/1"
+WEIGHTS = "model.safetensors"
+CONFIG = "config.json"
+REPO = Path(__file__).resolve().parent.parent
+FINGERPRINT_ROWS = 64
+
+
+# --------------------------------------------------------------------------------------------------
+# The target's tensors the draft reuses
+# --------------------------------------------------------------------------------------------------
+
+
+def _linear_weight(module: nn.Module) -> Tensor:
+    """(out, in) weight of an nn.Linear or of the CPU NumpyLinear that may replace it."""
+    if isinstance(module, nn.Linear):
+        return module.weight
+    weight_t = getattr(module, "weight_t", None)
+    if weight_t is None:
+        raise TypeError(f"cannot read the weight of {type(module).__name__}")
+    return torch.from_numpy(weight_t).t()
+
+
+def target_embedding(target: LoadedModel) -> Tensor:
+    """(V, D) input embedding of the target, shared (no copy)."""
+    if target.backend == "compact":
+        return target.model.embed.weight
+    return target.model.get_input_embeddings().weight
+
+
+def target_head(target: LoadedModel) -> Tensor:
+    """(V, D) output head of the target, shared (no copy)."""
+    if target.backend == "compact":
+        return _linear_weight(target.model.lm_head)
+    return target.model.get_output_embeddings().weight
+
+
+def fingerprint(target: LoadedModel) -> list[int]:
+    """Which dimension dominates each of a few embedding rows: identifies the weights across dtypes."""
+    emb = target_embedding(target)
+    rows = torch.linspace(0, emb.shape[0] - 1, FINGERPRINT_ROWS).long()
+    return [int(i) for i in emb.detach()[rows.to(emb.device)].float().abs().argmax(-1).tolist()]
+
+
+def target_hf_config(target: LoadedModel) -> Any:
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(target.folder, trust_remote_code=target.trust_remote_code)
+
+
+def draft_hf_config(target: LoadedModel, layers: int, source_layers: list[int]) -> Any:
+    """The target's config cut to `layers` decoder layers, with an untied (reduced) head."""
+    cfg = target_hf_config(target)
+    cfg.num_hidden_layers = layers
+    cfg.tie_word_embeddings = False
+    per_layer = getattr(cfg, "layer_types", None)
+    if per_layer:  # sliding/full attention per layer: keep the kinds of the layers we start from
+        cfg.layer_types = [per_layer[i] for i in source_layers] if source_layers else list(per_layer[:layers])
+    if getattr(cfg, "max_window_layers", None) is not None:
+        cfg.max_window_layers = min(cfg.max_window_layers, layers)
+    return cfg
+
+
+# --------------------------------------------------------------------------------------------------
+# Inference: the compact draft (strategy=draft) and its transformers wrapper (strategy=hf_assisted)
+# --------------------------------------------------------------------------------------------------
+
+
+class DraftModel(Llama):
+    """Our compact Llama with a reduced output head: logits (B, T, K) over `token_ids` (K,)."""
+
+    def __init__(self, args: LlamaArgs, kept: int) -> None:
+        super().__init__(args)
+        self.lm_head = nn.Linear(args.dim, kept, bias=False)
+        self.token_ids: Tensor | None = None
+        self._hf_factory: Any = None
+        self._hf: Any = None
+
+    def hf_model(self) -> Any:
+        """The same draft as a transformers model (built on first use)."""
+        if self._hf is None:
+            self._hf = self._hf_factory()
+        return self._hf
+
+
+class KeptVocabHead(nn.Module):
+    """A transformers lm_head that scores only the kept rows: -inf elsewhere, so the draft never
+    proposes what it was not trained to predict (and its q is zero there)."""
+
+    def __init__(self, weight: Tensor, kept_ids: Tensor, vocab_size: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(weight, requires_grad=False)  # (K, D)
+        self.register_buffer("kept_ids", kept_ids, persistent=False)
+        self.vocab_size = vocab_size
+
+    def forward(self, h: Tensor) -> Tensor:
+        small = F.linear(h, self.weight)  # (..., K)
+        full = small.new_full((*small.shape[:-1], self.vocab_size), float("-inf"))
+        return full.index_copy(-1, self.kept_ids, small)
+
+
+def _hf_draft(hf_config: Any, layers: dict[str, Tensor], embed: Tensor, head: Tensor, kept_ids: Tensor,
+              dtype: torch.dtype, device: torch.device) -> Any:
+    from transformers import AutoModelForCausalLM
+
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
+    model.lm_head = KeptVocabHead(head, kept_ids, embed.shape[0])
+    model.get_input_embeddings().weight = nn.Parameter(embed, requires_grad=False)  # shared with the target
+    missing, unexpected = model.load_state_dict(layers, strict=False)
+    missing = [k for k in missing if not k.startswith(("lm_head.", "model.embed_tokens."))]
+    if missing or unexpected:
+        raise SpecdecError(f"draft weights do not fit a {hf_config.model_type} of {hf_config.num_hidden_layers} layers "
+                           f"(missing {missing[:2]}, unexpected {unexpected[:2]}); retrain the draft")
+    return model.eval().requires_grad_(False)
+
+
+@dataclass
+class DraftCheckpoint:
+    """A saved draft (what configs/strategy/draft.yaml builds); `bind(target)` checks and loads it."""
+
+    folder: Path
+    meta: dict[str, Any]
+    _bound: dict[int, DraftModel] = field(default_factory=dict, repr=False)
+
+    def check(self, target: LoadedModel) -> None:
+        m = self.meta
+        fix = f"train one with `python -m heads.train head=draft model={target.name}` (see README)"
+        base = m.get("base_model", "?")
+        if int(m["hidden_size"]) != target.hidden_size or int(m["vocab_size"]) != target.vocab_size:
+            raise SpecdecError(f"the draft in {self.folder} was trained for {base} (hidden {m['hidden_size']}, vocab "
+                               f"{m['vocab_size']}), not {target.name} (hidden {target.hidden_size}, vocab "
+                               f"{target.vocab_size}); {fix}")
+        mine, theirs = fingerprint(target), m.get("fingerprint") or []
+        agree = sum(a == b for a, b in zip(mine, theirs)) / max(1, len(mine))
+        if len(theirs) != len(mine) or agree < 0.9:
+            raise SpecdecError(f"the draft in {self.folder} was trained for {base}, whose embedding differs from "
+                               f"{target.name}'s; {fix}")
+
+    def bind(self, target: LoadedModel) -> DraftModel:
+        key = id(target)
+        if key in self._bound:
+            return self._bound[key]
+        self.check(target)
+        from safetensors.torch import load_file
+
+        from specdec.models.cpu_linear import use_numpy_linears
+
+        tensors = load_file(str(self.folder / WEIGHTS))
+        kept_ids = tensors.pop("kept_ids").long().to(target.device)
+        layers = {k: v.to(device=target.device, dtype=target.dtype) for k, v in tensors.items()}
+        hf_config = _config_from_dict(self.meta["hf_config"])
+        embed, head = target_embedding(target), target_head(target)
+        small_head = head.detach()[kept_ids].to(target.dtype).contiguous()  # (K, D)
+        args = LlamaArgs.from_hf(hf_config)
+        with torch.device("meta"):
+            net = DraftModel(args, len(kept_ids))
+        net.load_hf_state_dict(layers | {"model.embed_tokens.weight": embed.detach(), "lm_head.weight": small_head})
+        net.eval().requires_grad_(False)
+        net.token_ids = kept_ids
+        if target.torch_threads == 1 and target.device.type == "cpu" and target.dtype == torch.float32:
+            use_numpy_linears(net)  # the target runs its matmuls through NumPy too (see cpu_linear.py)
+        net._hf_factory = lambda: _hf_draft(hf_config, layers, embed.detach(), small_head, kept_ids,
+                                            target.dtype, target.device)
+        self._bound[key] = net
+        return net
+
+
+def _config_from_dict(d: dict[str, Any]) -> Any:
+    from transformers import AutoConfig
+
+    d = dict(d)
+    return AutoConfig.for_model(d.pop("model_type"), **d)
+
+
+def resolve_path(path: str | Path) -> Path:
+    """A relative path is looked up from the working directory, then from the repository root."""
+    p = Path(path).expanduser()
+    if p.is_absolute() or p.exists():
+        return p
+    return REPO / p
+
+
+def load_draft(path: str) -> DraftCheckpoint:
+    """Entry point of the strategy configs: the trained draft in `path` (heads/checkpoints/MODEL-draft)."""
+    folder = resolve_path(path)
+    if not (folder / CONFIG).is_file() or not (folder / WEIGHTS).is_file():
+        model = folder.name.removesuffix("-draft") or "MODEL"
+        raise SpecdecError(f"no trained draft in {folder}; run `python -m heads.train head=draft model={model}` "
+                           "first, or use strategy=draft_lm with a draft model")
+    meta = json.loads((folder / CONFIG).read_text())
+    if meta.get("format") != FORMAT:
+        raise SpecdecError(f"{folder / CONFIG} is not a specdec draft ({FORMAT}); retrain it with "
+                           "python -m heads.train head=draft")
+    return DraftCheckpoint(folder, meta)
+
+
+# --------------------------------------------------------------------------------------------------
+# Training (heads.train's Trainable)
+# --------------------------------------------------------------------------------------------------
+
+
+class DraftTrainModule(nn.Module):
+    """The trainable draft: transformers decoder layers between the frozen embedding and reduced head."""
+
+    def __init__(self, body: nn.Module, head: Tensor) -> None:
+        super().__init__()
+        self.body = body  # a transformers base model (LlamaModel, Qwen2Model...) with `layers` layers
+        self.head = nn.Parameter(head, requires_grad=False)  # (K, D)
+
+    def forward(self, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
+        h = self.body(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
+        return F.linear(h, self.head)  # (B, T, K)
+
+
+def pick_vocab(data: Any, vocab_size: int, kept: int, always: list[int]) -> Tensor:
+    """The `kept` ids the draft may propose, sorted: `always` (end-of-turn ids), then continuation
+    tokens by frequency, then prompt tokens by frequency, then the lowest ids (BPE merges come
+    roughly in frequency order)."""
+    if kept <= 0 or kept >= vocab_size:
+        return torch.arange(vocab_size)
+    label_counts = torch.zeros(vocab_size, dtype=torch.long)
+    input_counts = torch.zeros(vocab_size, dtype=torch.long)
+    for row in data:
+        labels = torch.tensor(row["labels"])
+        label_counts += torch.bincount(labels[labels >= 0], minlength=vocab_size)[:vocab_size]
+        input_counts += torch.bincount(torch.tensor(row["input_ids"]), minlength=vocab_size)[:vocab_size]
+    order = torch.arange(vocab_size)
+    for key in (input_counts, label_counts):  # stable sorts, least significant key first
+        order = order[torch.sort(-key[order], stable=True).indices]
+    forced = [i for i in dict.fromkeys(always) if 0 <= i < vocab_size]
+    taken = set(forced)
+    ids = forced + [i for i in order.tolist() if i not in taken][:kept - len(forced)]
+    return torch.tensor(sorted(ids))
+
+
+class DraftTrainable:
+    """heads.train's Trainable for the distilled draft (configs/head/draft.yaml)."""
+
+    def __init__(self, name: str = "draft", layers: int = 2, init_layers: list[int] | None = None,
+                 kept_vocab: int = 8192, kl_weight: float = 0.0, save_dtype: str = "fp16") -> None:
+        if layers < 1:
+            raise SpecdecError(f"head.layers={layers} must be at least 1")
+        if init_layers is not None and len(init_layers) not in (0, layers):
+            raise SpecdecError(f"head.init_layers={list(init_layers)} must name {layers} target layers (or be null)")
+        if save_dtype not in ("fp16", "bf16", "fp32"):
+            raise SpecdecError(f"head.save_dtype={save_dtype!r}; use fp16, bf16 or fp32")
+        self.name = name
+        self.layers = layers
+        self.init_layers = list(init_layers or [])
+        self.kept_vocab = kept_vocab
+        self.kl_weight = kl_weight
+        self.needs_hidden = kl_weight > 0
+        self.save_dtype = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}[save_dtype]
+        self.kept_ids: Tensor | None = None
+        self.to_kept: Tensor | None = None  # (V,) target id -> kept row, -1 if not kept
+        self.target: LoadedModel | None = None
+        self.source_layers: list[int] = []
+        self.hf_config: Any = None
+        self.head: Tensor | None = None  # (K, D) the target's head rows of the kept ids
+
+    def build(self, target: LoadedModel, data: Any) -> nn.Module:
+        from transformers import AutoModel
+
+        n_target = target_hf_config(target).num_hidden_layers
+        source = [i % n_target for i in self.init_layers]
+        self.target, self.source_layers = target, source
+        self.hf_config = draft_hf_config(target, self.layers, source)
+        V = target.vocab_size
+        self.kept_ids = pick_vocab(data, V, self.kept_vocab, list(target.eos_ids))
+        self.to_kept = torch.full((V,), -1, dtype=torch.long)
+        self.to_kept[self.kept_ids] = torch.arange(len(self.kept_ids))
+        torch.manual_seed(0)
+        body = AutoModel.from_config(self.hf_config, dtype=torch.float32)
+        embed = target_embedding(target).detach().float()
+        body.embed_tokens.weight = nn.Parameter(embed, requires_grad=False)
+        if source:
+            missing, unexpected = body.load_state_dict(_target_layers(target, source), strict=False)
+            if unexpected or any(k != "embed_tokens.weight" for k in missing):
+                raise SpecdecError(f"target layers {source} do not fit the draft (missing {missing[:2]}, unexpected "
+                                   f"{unexpected[:2]}); set head.init_layers=null to start from random weights")
+        self.head = target_head(target).detach().float()[self.kept_ids.to(embed.device)].clone()  # (K, D)
+        return DraftTrainModule(body, self.head)
+
+    def loss(self, module: nn.Module, batch: dict[str, Tensor],
+             target_hidden: Tensor | None) -> tuple[Tensor, dict[str, float]]:
+        assert self.to_kept is not None and self.kept_ids is not None
+        logits = module(batch["input_ids"], batch["attention_mask"]).float()  # (B, T, K)
+        labels = batch["labels"]
+        valid = labels >= 0
+        small = self.to_kept.to(labels.device)[labels.clamp_min(0)]
+        small = torch.where(valid & (small >= 0), small, torch.full_like(small, -100))  # unkept tokens: unlearnable
+        ce = F.cross_entropy(logits.flatten(0, 1), small.flatten(), ignore_index=-100)
+        logs = {"ce": float(ce)}
+        loss = ce
+        scored = small >= 0
+        if self.kl_weight > 0 and target_hidden is not None:
+            p_log = F.log_softmax(F.linear(target_hidden[scored].float(), self.head.to(target_hidden.device)), -1)
+            q_log = F.log_softmax(logits[scored], -1)
+            kl = F.kl_div(q_log, p_log, log_target=True, reduction="batchmean")
+            loss = loss + self.kl_weight * kl
+            logs["kl"] = float(kl)
+        with torch.no_grad():
+            logs["acc"] = float((logits.argmax(-1)[scored] == small[scored]).float().mean()) if scored.any() else 0.0
+            logs["coverage"] = float(scored.sum() / valid.sum().clamp_min(1))
+        return loss, logs
+
+    def save(self, module: nn.Module, out_dir: Path, meta: dict[str, Any]) -> None:
+        from safetensors.torch import save_file
+
+        assert self.target is not None and self.kept_ids is not None
+        body = module.body  # type: ignore[union-attr]
+        tensors = {f"model.{k}": v.detach().to(self.save_dtype).contiguous().cpu()
+                   for k, v in body.state_dict().items() if not k.startswith("embed_tokens.")}
+        tensors["kept_ids"] = self.kept_ids.to(torch.int32).cpu()
+        out_dir.mkdir(parents=True, exist_ok=True)
+        save_file(tensors, str(out_dir / WEIGHTS), metadata={"format": FORMAT})
+        config = {
+            "format": FORMAT,
+            "base_model": self.target.name,
+            "base_folder": self.target.folder.name,
+            "hidden_size": self.target.hidden_size,
+            "vocab_size": self.target.vocab_size,
+            "num_layers": self.layers,
+            "init_layers": self.source_layers,
+            "kept_vocab": len(self.kept_ids),
+            "fingerprint": fingerprint(self.target),
+            "saved_dtype": str(self.save_dtype).removeprefix("torch."),
+            "hf_config": self.hf_config.to_dict(),
+            "train": meta,
+        }
+        (out_dir / CONFIG).write_text(json.dumps(config, indent=2, default=str))
+
+
+def _target_layers(target: LoadedModel, source: list[int]) -> dict[str, Tensor]:
+    """The target's decoder layers `source` renumbered 0.., plus its final norm, in transformers names."""
+    from safetensors import safe_open
+
+    wanted = {f"model.layers.{s}.": f"layers.{d}." for d, s in enumerate(source)}
+    out: dict[str, Tensor] = {}
+    for shard in sorted(target.folder.glob("*.safetensors")):
+        with safe_open(str(shard), framework="pt") as f:
+            for key in f.keys():  # noqa: SIM118 (safe_open has no iterator)
+                if key == "model.norm.weight":
+                    out["norm.weight"] = f.get_tensor(key).float()
+                for src, dst in wanted.items():
+                    if key.startswith(src):
+                        out[dst + key[len(src):]] = f.get_tensor(key).float()
+    if not any(k.startswith("layers.") for k in out):
+        raise SpecdecError(f"found no decoder layers named model.layers.N.* in {target.folder}; set "
+                           "head.init_layers=null to start the draft from random weights")
+    return out
