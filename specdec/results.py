@@ -7,54 +7,128 @@ import os
 from pathlib import Path
 from typing import Any
 
+from specdec.errors import SpecdecError
+
 Row = dict[str, Any]
+Key = tuple[str, str, int, int]
+
+# Written beside answers.jsonl: what answers in this folder depend on, checked when a run resumes.
+RESUME_FILE = "resume_key.json"
 
 
 class AnswerLog:
-    """One JSON line per finished (strategy, question, turn, repeat); a torn last line is dropped."""
+    """One JSON line per finished (strategy, question, turn, repeat).
+
+    Loading drops what a killed process can leave behind (a torn last line) and repeated keys
+    (the first answer wins), and rewrites the file if it had to, so that every line on disk is one
+    whole answer and new lines never glue onto a torn one.
+    """
 
     def __init__(self, path: Path) -> None:
         self.path = path
-        path.parent.mkdir(parents=True, exist_ok=True)
-        self._rows: dict[tuple[str, str, int, int], Row] = {}
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise SpecdecError(f"cannot create output_dir {path.parent}: {e.strerror}; pick a writable "
+                               "output_dir") from None
+        self._rows: dict[Key, Row] = {}
         self.new_rows: list[Row] = []
         if path.is_file():
             self._load()
 
     @staticmethod
-    def key(row: Row) -> tuple[str, str, int, int]:
+    def key(row: Row) -> Key:
         return row["strategy"], str(row["question_id"]), int(row["turn"]), int(row.get("repeat", 0))
 
     def _load(self) -> None:
+        text = self.path.read_text(encoding="utf-8", errors="replace")
+        lines = text.splitlines()
         good: list[str] = []
-        for line in self.path.read_text().splitlines():
+        for line in lines:
             try:
                 row = json.loads(line)
-                self._rows.setdefault(self.key(row), row)
-                good.append(line)
-            except (json.JSONDecodeError, KeyError, TypeError):
-                continue  # a line torn by a kill; that turn is simply generated again
-        if len(good) != len(self.path.read_text().splitlines()):
-            tmp = self.path.with_suffix(".tmp")
-            tmp.write_text("".join(g + "\n" for g in good))
+                key = self.key(row)
+            except (json.JSONDecodeError, KeyError, TypeError, ValueError, AttributeError):
+                continue  # a line torn by a kill: that turn is simply generated again
+            if key in self._rows:
+                continue
+            self._rows[key] = row
+            good.append(line)
+        if len(good) != len(lines) or (text and not text.endswith("\n")):
+            tmp = self.path.with_name(self.path.name + ".tmp")
+            tmp.write_text("".join(g + "\n" for g in good), encoding="utf-8")
             os.replace(tmp, self.path)
 
     def get(self, strategy: str, question_id: str, turn: int, repeat: int = 0) -> Row | None:
-        return self._rows.get((strategy, question_id, turn, repeat))
+        return self._rows.get((strategy, str(question_id), turn, repeat))
+
+    def has(self, strategy: str, question_id: str, turn: int, repeat: int = 0) -> bool:
+        return (strategy, str(question_id), turn, repeat) in self._rows
 
     def append(self, row: Row) -> None:
-        # One write() of a whole line, then flush and fsync: a crash never leaves half a row behind
-        # that a reader would mistake for an answer.
-        line = json.dumps(row) + "\n"
-        with open(self.path, "a") as f:
-            f.write(line)
-            f.flush()
-            os.fsync(f.fileno())
-        self._rows[self.key(row)] = row
+        """Write one whole line with a single write() to an O_APPEND file, then fsync.
+
+        Ctrl-C arrives between Python bytecodes, so the line is either on disk whole or not at all;
+        a hard kill mid-write can at worst tear the last line, which loading drops.
+        """
+        key = self.key(row)
+        if key in self._rows:
+            raise ValueError(f"answer {key} is already in {self.path}")
+        data = (json.dumps(row) + "\n").encode("utf-8")
+        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            written = os.write(fd, data)
+            while written < len(data):  # short writes only happen on full disks or pipes
+                written += os.write(fd, data[written:])
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        self._rows[key] = row
         self.new_rows.append(row)
+
+    def refresh(self) -> None:
+        """Pick up whole lines on disk that are not in memory: Ctrl-C can land between a line's
+        write and its bookkeeping, and the summary must count every answer on disk."""
+        if not self.path.is_file():
+            return
+        for line in self.path.read_text(encoding="utf-8", errors="replace").splitlines():
+            try:
+                row = json.loads(line)
+                key = self.key(row)
+            except (json.JSONDecodeError, KeyError, TypeError, ValueError, AttributeError):
+                continue
+            if key not in self._rows:
+                self._rows[key] = row
+                self.new_rows.append(row)
 
     def rows(self) -> list[Row]:
         return list(self._rows.values())
 
     def count(self) -> int:
         return len(self._rows)
+
+
+def check_resume_key(out_dir: Path, key: dict[str, Any], has_answers: bool) -> None:
+    """Refuse to add answers to a folder whose answers came from a different model or generation setup.
+
+    The first run writes `key` (flat, dotted names); a later run with the same output_dir must match
+    it while answers are there, so a resumed run never mixes, say, 64-token and 128-token answers
+    in one summary.
+    """
+    path = out_dir / RESUME_FILE
+    old: Any = None
+    if path.is_file():
+        try:
+            old = json.loads(path.read_text())
+        except json.JSONDecodeError:
+            old = None
+    old = old if isinstance(old, dict) and has_answers else {}
+    # Only settings both runs name are compared: adding a strategy to a finished run is fine.
+    diff = sorted(k for k in set(old) & set(key) if old[k] != key[k])
+    if diff:
+        shown = ", ".join(f"{k}: {old[k]!r} then, {key[k]!r} now" for k in diff[:3])
+        raise SpecdecError(f"output_dir {out_dir} holds answers made with other settings ({shown}); use a new "
+                           "output_dir, or that run's settings to resume it")
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(old | key, indent=2, sort_keys=True, default=str))
+    os.replace(tmp, path)

@@ -5,12 +5,16 @@ A thin `@hydra.main` over `run(cfg)`, which tests and notebooks call directly.
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import json
 import os
 import platform
+import signal
 import sys
 import time
 import zlib
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -19,13 +23,13 @@ import torch
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from specdec.cli_checks import CONFIG_DIR, check_overrides, strategy_config
+from specdec.cli_checks import CONFIG_DIR, check_overrides, debug_requested, hydra_error_line, strategy_config
 from specdec.data import Question, select
 from specdec.engine.sampling import SamplingParams
 from specdec.errors import SpecdecError
 from specdec.metrics import add_speedup_ci, summarize
 from specdec.models.loader import LoadedModel
-from specdec.results import AnswerLog
+from specdec.results import AnswerLog, check_resume_key
 from specdec.strategies.base import GenerationParams, Strategy
 
 
@@ -43,21 +47,66 @@ def load_questions(data_cfg: DictConfig) -> list[Question]:
     return select(instantiate(cfg), limit=limit, categories=categories)
 
 
-def generation_params(cfg: DictConfig, target: LoadedModel) -> GenerationParams:
+def _integer(value: Any, name: str, minimum: int) -> int:
+    # OmegaConf keeps `generation.max_new_tokens=abc` as a string; say so instead of a ValueError.
+    try:
+        if isinstance(value, (bool, float)):
+            raise ValueError
+        number = int(str(value))
+    except ValueError:
+        raise SpecdecError(f"{name}={value!r} is not an integer; give a whole number >= {minimum}") from None
+    if number < minimum:
+        raise SpecdecError(f"{name}={number} must be at least {minimum}")
+    return number
+
+
+def _number(value: Any, name: str) -> float:
+    if isinstance(value, bool):
+        value = "bool"
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        raise SpecdecError(f"{name}={value!r} is not a number; use for example {name}=0.7") from None
+
+
+def _stop_strings(value: Any) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    items = [value] if isinstance(value, str) else list(value)
+    if not all(isinstance(x, str) and x for x in items):
+        raise SpecdecError(f"generation.stop={items!r} must be a list of non-empty strings, e.g. "
+                           "'generation.stop=[\"###\"]'")
+    return tuple(items)
+
+
+def generation_params(cfg: DictConfig, eos_ids: tuple[int, ...] = ()) -> GenerationParams:
+    """The checked `generation` group (and the run's counters): every mistake fails before loading."""
     g = cfg.generation
-    if int(g.max_new_tokens) < 1:
-        raise SpecdecError(f"generation.max_new_tokens={g.max_new_tokens} must be at least 1")
-    return GenerationParams(int(g.max_new_tokens), SamplingParams(float(g.temperature), float(g.top_p)),
-                            target.eos_ids)
+    max_new = _integer(g.max_new_tokens, "generation.max_new_tokens", 1)
+    sampling = SamplingParams(_number(g.temperature, "generation.temperature"), _number(g.top_p, "generation.top_p"))
+    max_len = _integer(g.max_len, "generation.max_len", 2)
+    _integer(g.prefill_chunk, "generation.prefill_chunk", 1)
+    _integer(cfg.seed, "seed", 0)
+    _integer(cfg.warmup, "warmup", 0)
+    _integer(cfg.repeats, "repeats", 1)
+    if max_new >= max_len:
+        raise SpecdecError(f"generation.max_new_tokens={max_new} leaves no room for the prompt in "
+                           f"generation.max_len={max_len}; raise max_len or lower max_new_tokens")
+    return GenerationParams(max_new, sampling, eos_ids, _stop_strings(g.get("stop")))
 
 
-def build_strategies(cfg: DictConfig, target: LoadedModel) -> dict[str, Strategy]:
-    names = list(cfg.strategies) if cfg.strategies else [cfg.strategy.name]
+def strategy_names(cfg: DictConfig) -> list[str]:
+    names = [str(n) for n in cfg.strategies] if cfg.strategies else [cfg.strategy.name]
     if len(set(names)) != len(names):
         raise SpecdecError(f"strategies={names} lists a strategy twice; give each once")
+    return names
+
+
+def build_strategies(cfg: DictConfig, target: LoadedModel,
+                     configs: dict[str, DictConfig] | None = None) -> dict[str, Strategy]:
     built: dict[str, Strategy] = {}
-    for name in names:
-        scfg = strategy_config(cfg, name)
+    for name in strategy_names(cfg):
+        scfg = configs[name] if configs is not None else strategy_config(cfg, name)
         factory = instantiate(scfg)
         built[name] = factory(target=target, max_len=int(cfg.generation.max_len),
                               prefill_chunk=int(cfg.generation.prefill_chunk))
@@ -80,7 +129,16 @@ def _answer(strategy: Strategy, target: LoadedModel, q: Question, params: Genera
             messages.append({"role": "assistant", "content": done["output_text"]})
             continue
         prompt = target.chat_ids(messages)
-        res = strategy.generate(prompt, params, _turn_seed(seed, q.question_id, turn, repeat))
+        try:
+            if len(prompt) >= target.context_len:
+                raise SpecdecError(f"prompt of {len(prompt)} tokens does not fit the model's context of "
+                                   f"{target.context_len}; shorten the question or use a longer-context model")
+            res = strategy.generate(prompt, params, _turn_seed(seed, q.question_id, turn, repeat))
+        except SpecdecError as e:
+            raise SpecdecError(f"turn {turn}: {e}") from e
+        except torch.OutOfMemoryError as e:
+            raise SpecdecError(f"turn {turn}: out of GPU memory; lower generation.max_len or use a smaller "
+                               "model") from e
         text_out = target.tokenizer.decode(res.output_ids, skip_special_tokens=True)
         row = {
             "question_id": q.question_id, "category": q.category, "turn": turn, "strategy": strategy.name,
@@ -97,11 +155,54 @@ def _answer(strategy: Strategy, target: LoadedModel, q: Question, params: Genera
 
 def _warm_up(strategies: dict[str, Strategy], target: LoadedModel, questions: list[Question],
              params: GenerationParams, turns: int) -> None:
-    short = GenerationParams(min(params.max_new_tokens, 32), params.sampling, params.eos_ids)
+    short = dataclasses.replace(params, max_new_tokens=min(params.max_new_tokens, 32))
     for i in range(turns):
         prompt = target.chat_ids([{"role": "user", "content": questions[i % len(questions)].turns[0]}])
         for s in strategies.values():
-            s.generate(prompt, short, 0)
+            with contextlib.suppress(SpecdecError):  # a question that fails is recorded when it is answered
+                s.generate(prompt, short, 0)
+
+
+def _pending(log: AnswerLog, names: list[str], questions: list[Question], repeats: int) -> int:
+    """Answers (strategy, question, turn, repeat) not yet on disk."""
+    return sum(not log.has(n, q.question_id, t, r)
+               for r in range(repeats) for q in questions for n in names for t in range(len(q.turns)))
+
+
+def _flat(obj: Any, prefix: str) -> dict[str, Any]:
+    if isinstance(obj, dict):
+        out: dict[str, Any] = {}
+        for k, v in obj.items():
+            out |= _flat(v, f"{prefix}.{k}")
+        return out
+    return {prefix: obj}
+
+
+def resume_key(cfg: DictConfig, strategy_cfgs: dict[str, DictConfig]) -> dict[str, Any]:
+    """Settings that change answers: a resumed run must share them (cache sizes may change)."""
+    gen = OmegaConf.to_container(cfg.generation, resolve=True)
+    assert isinstance(gen, dict)
+    for k in ("max_len", "prefill_chunk"):
+        gen.pop(k, None)
+    key = _flat(OmegaConf.to_container(cfg.model, resolve=True), "model") | _flat(gen, "generation")
+    key["seed"] = cfg.seed
+    for name, scfg in strategy_cfgs.items():
+        key |= _flat(OmegaConf.to_container(scfg, resolve=True), f"strategy.{name}")
+    return key
+
+
+@contextlib.contextmanager
+def _no_interrupts() -> Iterator[None]:
+    """Hold Ctrl-C off while the summary is written, so a second press does not tear it."""
+    try:
+        old = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    except ValueError:  # not the main thread: nothing to hold off
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, old)
 
 
 def environment() -> dict[str, Any]:
@@ -112,33 +213,45 @@ def environment() -> dict[str, Any]:
 
 
 def run(cfg: DictConfig) -> dict[str, Any]:
-    """Run the configured strategies over the suite; write answers.jsonl and summary.json."""
+    """Run the configured strategies over the suite; write answers.jsonl and summary.json.
+
+    Everything that can be checked without the model (settings, data, strategy names, output_dir)
+    is checked before it loads. A question that fails is recorded and the run goes on; finished
+    answers are never generated twice, so the same call with the same output_dir resumes.
+    """
     out_dir = Path(cfg.output_dir)
-    questions = load_questions(cfg.data)
-    target: LoadedModel = instantiate(cfg.model)
-    params = generation_params(cfg, target)
-    strategies = build_strategies(cfg, target)
-    names = list(strategies)
+    params = generation_params(cfg)
+    names = strategy_names(cfg)
     baseline = cfg.baseline or names[0]
-    if baseline not in strategies:
+    if baseline not in names:
         raise SpecdecError(f"baseline={baseline} is not among strategies={names}; add it or pick one of them")
+    strategy_cfgs = {name: strategy_config(cfg, name) for name in names}
+    questions = load_questions(cfg.data)
+    log = AnswerLog(out_dir / "answers.jsonl")
+    check_resume_key(out_dir, resume_key(cfg, strategy_cfgs), has_answers=log.count() > 0)
+    repeats = int(cfg.repeats)
+    pending = _pending(log, names, questions, repeats)
+
+    target: LoadedModel = instantiate(cfg.model)
+    params = dataclasses.replace(params, eos_ids=target.eos_ids)
+    strategies = build_strategies(cfg, target, strategy_cfgs)
     config = OmegaConf.to_container(cfg, resolve=True)
     assert isinstance(config, dict)
     config["environment"] = environment() | {"dtype": str(target.dtype).removeprefix("torch."),
                                              "backend": target.backend}
-    log = AnswerLog(out_dir / "answers.jsonl")
     logger = instantiate(cfg.logger)
     logger.start(config, out_dir)
     failures: dict[str, str] = {}
     interrupted = False
     try:
-        if cfg.warmup and log.count() == 0:
+        # a resumed run still measures warm strategies, unless nothing is left to measure
+        if cfg.warmup and pending:
             _warm_up(strategies, target, questions, params, int(cfg.warmup))
         from tqdm import tqdm
 
-        total = len(questions) * len(names) * int(cfg.repeats)
+        total = len(questions) * len(names) * repeats
         with tqdm(total=total, desc="specdec", unit="answer", disable=None) as bar:
-            for repeat in range(int(cfg.repeats)):
+            for repeat in range(repeats):
                 for i, q in enumerate(questions):
                     # alternate the order so neither strategy always runs on a warmer machine
                     order = names if (i + repeat) % 2 == 0 else names[::-1]
@@ -146,32 +259,38 @@ def run(cfg: DictConfig) -> dict[str, Any]:
                         try:
                             _answer(strategies[name], target, q, params, int(cfg.seed), log, repeat)
                         except SpecdecError as e:
-                            failures[f"{name}/{q.question_id}"] = str(e)
+                            where = f"{name}/{q.question_id}" + (f"/repeat{repeat}" if repeat else "")
+                            failures[where] = str(e)
                             bar.write(f"failed: {name} on question {q.question_id}: {e}")
                         bar.update(1)
     except KeyboardInterrupt:
         interrupted = True
     finally:
-        for row in log.new_rows:
-            logger.log_turn(row)
-        summary = summarize(log.rows(), baseline, params.sampling.temperature, names, config)
-        add_speedup_ci(summary)
-        summary["failures"] = failures
-        summary["interrupted"] = interrupted
-        _write_json(out_dir / "summary.json", summary)
-        logger.log_summary(summary, [out_dir / "summary.json", out_dir / "answers.jsonl"])
-        logger.finish()
+        with _no_interrupts():
+            log.refresh()
+            for row in log.new_rows:
+                logger.log_turn(row)
+            summary = summarize(log.rows(), baseline, params.sampling.temperature, names, config)
+            add_speedup_ci(summary)
+            summary["failures"] = failures
+            summary["interrupted"] = interrupted
+            _write_json(out_dir / "summary.json", summary)
+            logger.log_summary(summary, [out_dir / "summary.json", out_dir / "answers.jsonl"])
+            logger.finish()
     if interrupted:
-        raise Interrupted(f"interrupted: {log.count()} answers kept in {out_dir}; rerun with "
-                           f"output_dir={out_dir} to resume")
+        raise Interrupted(f"interrupted: {log.count()} answers are kept in {out_dir}; run the same command "
+                          f"with output_dir={out_dir} to resume")
     if failures:
-        raise SpecdecError(f"{len(failures)} answers failed ({', '.join(sorted(failures))}); the others are in "
-                           f"{out_dir}; see summary.json 'failures'")
+        listed = sorted(failures)
+        more = f" and {len(listed) - 10} more" if len(listed) > 10 else ""
+        raise SpecdecError(f"{len(failures)} questions failed ({', '.join(listed[:10])}{more}); the other answers "
+                           f"are in {out_dir}, the reasons in summary.json 'failures'; fix them and run the same "
+                           "command to answer only those")
     return summary
 
 
 def _write_json(path: Path, obj: Any) -> None:
-    tmp = path.with_suffix(".tmp")
+    tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(json.dumps(obj, indent=2, default=str))
     os.replace(tmp, path)
 
@@ -196,26 +315,53 @@ def user_error(exc: BaseException) -> SpecdecError | None:
     return None
 
 
+# Exit codes: bad input or failed questions, an internal error, Ctrl-C (the shell's 128 + SIGINT).
+EXIT_USER, EXIT_BUG, EXIT_INTERRUPTED = 2, 1, 130
+
+
 @hydra.main(version_base=None, config_path=str(CONFIG_DIR), config_name="run")
 def hydra_main(cfg: DictConfig) -> None:
     try:
         summary = run(cfg)
-    except Exception as e:
-        err = user_error(e)
-        if err is None or cfg.get("debug"):
+    except KeyboardInterrupt:  # before the answer loop (loading): nothing new was written
+        if cfg.get("debug"):
             raise
-        print(f"error: {err}", file=sys.stderr)
-        sys.exit(130 if isinstance(err, Interrupted) else 2)
+        print(f"error: interrupted before any answer was generated; run the same command to start again "
+              f"(output_dir={cfg.output_dir})", file=sys.stderr)
+        sys.exit(EXIT_INTERRUPTED)
+    except Exception as e:
+        if cfg.get("debug"):
+            raise
+        err = user_error(e)
+        if err is None:
+            detail = " ".join(str(e).split())[:300]
+            print(f"error: unexpected {type(e).__name__}: {detail} (rerun with debug=true for the traceback)",
+                  file=sys.stderr)
+            sys.exit(EXIT_BUG)
+        print(f"error: {' '.join(str(err).split())}", file=sys.stderr)
+        sys.exit(EXIT_INTERRUPTED if isinstance(err, Interrupted) else EXIT_USER)
     print_summary(summary, cfg.output_dir)
 
 
 def main() -> None:
+    """The CLI: Hydra's own errors (bad overrides, unknown keys) also come out as one line."""
+    argv = sys.argv[1:]
+    debug = debug_requested(argv) or os.environ.get("HYDRA_FULL_ERROR") == "1"
+    # With this set Hydra re-raises composition errors instead of printing them over several lines.
+    os.environ["HYDRA_FULL_ERROR"] = "1"
     try:
-        check_overrides(sys.argv[1:])
-    except SpecdecError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
-    hydra_main()
+        check_overrides(argv)
+        hydra_main()
+    except KeyboardInterrupt:
+        if debug:
+            raise
+        print("error: interrupted before the run started; nothing was written", file=sys.stderr)
+        sys.exit(EXIT_INTERRUPTED)
+    except Exception as e:
+        if debug:
+            raise
+        print(f"error: {hydra_error_line(e, argv)}", file=sys.stderr)
+        sys.exit(EXIT_USER)
 
 
 if __name__ == "__main__":

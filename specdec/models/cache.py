@@ -6,6 +6,7 @@ import hashlib
 import os
 import shutil
 import tempfile
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -45,6 +46,7 @@ def build_folder_atomically(final: Path, build: Callable[[Path], None]) -> Path:
     if final.is_dir():
         return final
     final.parent.mkdir(parents=True, exist_ok=True)
+    _remove_stale(final)
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=final.parent))
     try:
         build(tmp)
@@ -57,3 +59,18 @@ def build_folder_atomically(final: Path, build: Callable[[Path], None]) -> Path:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
     return final
+
+
+# A temporary folder this old belongs to a build that was killed (a live one finishes in minutes).
+STALE_AFTER_S = 6 * 3600
+
+
+def _remove_stale(final: Path) -> None:
+    """Delete temporary folders that killed builds of `final` left behind, so they do not pile up."""
+    now = time.time()
+    for old in final.parent.glob(f".{final.name}.*"):
+        try:
+            if old.is_dir() and now - old.stat().st_mtime > STALE_AFTER_S:
+                shutil.rmtree(old, ignore_errors=True)
+        except OSError:
+            continue

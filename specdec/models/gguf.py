@@ -20,7 +20,8 @@ def convert_gguf(gguf: Path, out: Path) -> None:
         tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
         model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     except Exception as e:  # the GGUF reader raises many kinds of errors on damaged files
-        raise SpecdecError(f"cannot read GGUF file {gguf}: {type(e).__name__}: {str(e)[:120]} "
+        detail = " ".join(str(e).split())[:120]
+        raise SpecdecError(f"cannot read GGUF file {gguf}: {type(e).__name__}: {detail} "
                            "(truncated or unsupported; delete it and fetch it again)") from e
     # transformers refuses save_pretrained on GGUF-loaded models, so write the parts ourselves.
     state = {k: v.contiguous() for k, v in model.state_dict().items()}
@@ -39,6 +40,11 @@ def cached_gguf_folder(gguf: Path, name: str | None = None, sha256: str | None =
     """The cache folder for a GGUF file, converting it on first use (keyed by content hash)."""
     if not gguf.is_file():
         raise SpecdecError(f"GGUF file not found: {gguf} (check model.path)")
+    with open(gguf, "rb") as f:
+        magic = f.read(4)
+    if magic != b"GGUF":
+        raise SpecdecError(f"{gguf} is not a GGUF file (it starts with {magic!r}, not b'GGUF'); "
+                           "check model.path or fetch the file again")
     digest = sha256 or sha256_file(gguf)
     final = cache_root() / "models" / f"{name or gguf.stem}-{digest[:12]}"
     return build_folder_atomically(final, lambda tmp: convert_gguf(gguf, tmp))

