@@ -1,0 +1,90 @@
+"""Prompt lookup decoding (Saxena 2023): draft by copying what followed the last n-gram earlier on.
+
+The drafter is a suffix match against the prompt and the output so far; it has no model and no
+probabilities, so verification is the greedy match at temperature 0 and `verify_deterministic`
+(exact multi-candidate rejection sampling) above it. Several matches with different continuations
+are verified together as a small token tree.
+"""
+
+from __future__ import annotations
+
+from specdec.engine.engine import ForwardOut
+from specdec.errors import SpecdecError
+from specdec.models.loader import LoadedModel
+from specdec.ngram import NGramIndex, as_tokens, candidates_to_tree, lookup
+from specdec.strategies.base import DecodeState, Proposer, SpeculativeStrategy
+from specdec.verify import Proposal, Verdict
+
+
+class PromptLookupProposer:
+    """Keeps an n-gram index of the sequence in step with the committed tokens, and a draft length
+    that follows recent acceptance: doubled after a fully accepted draft, cut to one past the
+    accepted prefix otherwise (copy runs are long or absent, rarely in between)."""
+
+    def __init__(self, ngram_min: int, ngram_max: int, num_draft_tokens: int, num_candidates: int,
+                 min_draft_tokens: int, adaptive: bool, max_len: int) -> None:
+        self.index = NGramIndex(ngram_min, ngram_max)
+        self.max_k = num_draft_tokens
+        self.min_k = min(min_draft_tokens, num_draft_tokens)
+        self.num = num_candidates
+        self.adaptive = adaptive
+        self.max_len = max_len
+        self.k = num_draft_tokens
+        self._drafted = 0  # depth of the last proposal
+
+    def start(self, state: DecodeState, out: ForwardOut) -> None:
+        self.index.extend(state.ids)
+
+    def propose(self, state: DecodeState) -> Proposal | None:
+        self.index.extend(state.ids)
+        remaining = state.params.max_new_tokens - state.output_len
+        room = self.max_len - len(state.ids)  # cache slots left after the root
+        # the pass also yields one target token, so drafting past remaining - 1 is wasted
+        k = min(self.k, remaining - 1, room // self.num)
+        self._drafted = 0
+        if k < 1:
+            return None
+        found = lookup(state.ids, self.index, k, self.num)
+        if not found:
+            return None
+        self._drafted = k
+        tokens, parents = candidates_to_tree(found)
+        return Proposal(as_tokens(tokens), parents)
+
+    def commit(self, state: DecodeState, verdict: Verdict, out: ForwardOut) -> None:
+        if not self.adaptive or self._drafted == 0:
+            return
+        accepted = len(verdict.nodes)
+        if accepted == self._drafted:
+            self.k = min(self.max_k, 2 * self.k)
+        else:
+            self.k = max(self.min_k, accepted + 1)
+
+
+class PromptLookup(SpeculativeStrategy):
+    """`strategy=prompt_lookup`: n-gram copy drafts from the sequence itself, lossless."""
+
+    def __init__(self, target: LoadedModel, name: str = "prompt_lookup", max_len: int = 2048,
+                 prefill_chunk: int = 512, ngram_max: int = 3, ngram_min: int = 1, num_draft_tokens: int = 8,
+                 num_candidates: int = 1, min_draft_tokens: int = 2, adaptive: bool = True) -> None:
+        if not 1 <= ngram_min <= ngram_max:
+            raise SpecdecError(f"prompt_lookup needs 1 <= ngram_min <= ngram_max, got {ngram_min} and {ngram_max}; "
+                               "set for example strategy.ngram_min=1 strategy.ngram_max=3")
+        if num_draft_tokens < 1 or num_candidates < 1:
+            raise SpecdecError(f"prompt_lookup needs num_draft_tokens >= 1 and num_candidates >= 1, got "
+                               f"{num_draft_tokens} and {num_candidates}")
+        if min_draft_tokens < 1:
+            raise SpecdecError(f"prompt_lookup needs min_draft_tokens >= 1, got {min_draft_tokens}")
+        super().__init__(target, name, max_len, prefill_chunk)
+        if num_candidates > 1 and not getattr(self.engine, "supports_trees", False):
+            raise SpecdecError("prompt_lookup with num_candidates > 1 verifies a token tree, which needs the "
+                               "compact model (model.backend=compact); set strategy.num_candidates=1")
+        self.ngram_min, self.ngram_max = ngram_min, ngram_max
+        self.num_draft_tokens = num_draft_tokens
+        self.num_candidates = num_candidates
+        self.min_draft_tokens = min_draft_tokens
+        self.adaptive = adaptive
+
+    def make_proposer(self) -> Proposer:
+        return PromptLookupProposer(self.ngram_min, self.ngram_max, self.num_draft_tokens, self.num_candidates,
+                                    self.min_draft_tokens, self.adaptive, self.engine.max_len)
