@@ -11,6 +11,15 @@ from omegaconf import OmegaConf
 
 from heads.medusa import CONFIG_FILE, MedusaHeads, load_heads, medusa_heads, output_weight
 from heads.medusa_train import MedusaTrainable
+from heads.tree_tuning import (
+    expected_accepted,
+    greedy_tree,
+    joint_estimate,
+    pass_cost,
+    product_estimate,
+    rank_accuracy,
+    tune,
+)
 from specdec.cli_checks import CONFIG_DIR
 from specdec.engine.engine import StaticEngine
 from specdec.engine.sampling import SamplingParams
@@ -316,3 +325,79 @@ def test_short_training_lowers_the_loss(tiny_target: LoadedModel) -> None:
         opt.step()
     assert metrics["loss"] < 0.7 * float(first)
     assert metrics["top1_0"] > 0.3
+
+
+# ------------------------------------------------------------------------------------------------
+# tree tuning
+# ------------------------------------------------------------------------------------------------
+
+
+def _brute_force_best(prob, budget: int, width: int, depth: int) -> float:
+    """Best sum of path probabilities over every prefix-closed set of `budget` nodes."""
+    level = {frozenset()}
+    for _ in range(budget):
+        grown = set()
+        for tree in level:
+            for parent in [(), *tree]:
+                if len(parent) < depth:
+                    for r in range(width):
+                        child = (*parent, r)
+                        if child not in tree:
+                            grown.add(tree | {child})
+        level = grown
+    return max(sum(prob(p) for p in t) for t in level)
+
+
+def _synthetic_ranks(width: int, depth: int, n: int, seed: int) -> torch.Tensor:
+    """Correlated heads: an 'easy' context makes every head more likely to rank the truth first."""
+    gen = torch.Generator().manual_seed(seed)
+    easy = torch.rand(n, 1, generator=gen) < 0.5
+    base = torch.randint(0, width + 1, (n, depth), generator=gen)
+    good = torch.randint(0, 2, (n, depth), generator=gen)
+    return torch.where(easy, good, base)
+
+
+@pytest.mark.parametrize("estimate", ["product", "joint"])
+def test_greedy_tree_is_optimal_against_brute_force(estimate: str) -> None:
+    width, depth = 3, 3
+    ranks = _synthetic_ranks(width, depth, 400, seed=1)
+    prob = (product_estimate(rank_accuracy(ranks, width)) if estimate == "product" else joint_estimate(ranks))
+    for budget in range(1, 6):
+        tree = greedy_tree(prob, budget, width, depth)
+        assert len(tree) == budget and len(set(tree)) == budget
+        assert all(p[:-1] in tree or len(p) == 1 for p in tree)  # prefix-closed
+        assert all(tree.index(p[:-1]) < tree.index(p) for p in tree if len(p) > 1)  # parents first
+        assert expected_accepted(tree, prob) == pytest.approx(_brute_force_best(prob, budget, width, depth))
+
+
+def test_joint_estimate_counts_whole_paths() -> None:
+    ranks = torch.tensor([[0, 0, 1], [0, 1, 0], [1, 0, 0], [0, 0, 0]])
+    prob = joint_estimate(ranks)
+    assert prob((0,)) == 0.75 and prob((0, 0)) == 0.5 and prob((0, 0, 0)) == 0.25 and prob((1, 0, 0)) == 0.25
+    acc = rank_accuracy(ranks, 2)
+    assert acc[0].tolist() == [0.75, 0.25] and acc[2].tolist() == [0.75, 0.25]
+
+
+def test_pass_cost_interpolates() -> None:
+    curve = {1: 1.0, 8: 1.4, 16: 1.9}
+    assert pass_cost(1, curve) == 1.0 and pass_cost(8, curve) == pytest.approx(1.4)
+    assert pass_cost(12, curve) == pytest.approx(1.65) and pass_cost(24, curve) == pytest.approx(2.4)
+
+
+def test_tune_writes_a_tree_the_strategy_loads(tiny_target: LoadedModel, tmp_path: Path) -> None:
+    from hydra import compose, initialize_config_dir
+
+    out = tmp_path / "tree.yaml"
+    with initialize_config_dir(str(CONFIG_DIR), version_base=None):
+        cfg = compose("tune_tree", overrides=[
+            "model=tiny-llama", "heads.path=null", "+heads.num_heads=3", "+heads.seed=4",
+            "calibration.prompts=3", "calibration.max_new_tokens=12", "tree.width=4",
+            "tree.budgets=[2,5,9]", f"out={out}"])
+    result = tune(cfg)
+    assert result["budget"] in (2, 5, 9) and len(result["choices"]) == result["budget"]
+    assert result["positions"] > 0 and len(result["rank_accuracy"]) == 3
+    tree = load_tree(str(out), 3)
+    assert tree == [tuple(p) for p in result["choices"]]
+    medusa = Medusa(tiny_target, max_len=256, heads=medusa_heads(tiny_target, num_heads=3, seed=4), tree=str(out))
+    assert medusa.generate(PROMPTS[0], GenerationParams(16), 0).output_ids == _greedy_outputs(
+        tiny_target, PROMPTS[:1], 16)[0]
