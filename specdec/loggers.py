@@ -35,8 +35,9 @@ class WandbLogger(NullLogger):
 
     def __init__(self, project: str = "specdec", entity: str | None = None, mode: str = "offline",
                  name: str | None = None, tags: list[str] | None = None) -> None:
+        mode = {"dryrun": "offline", "run": "online"}.get(mode, mode)  # wandb's older names
         if mode not in self.MODES:
-            raise SpecdecError(f"logger.mode={mode!r} is not one of {', '.join(self.MODES)}")
+            raise SpecdecError(f"logger.mode={mode!r} (or WANDB_MODE) is not one of {', '.join(self.MODES)}")
         self.kwargs = {"project": project, "entity": entity, "mode": mode, "name": name, "tags": list(tags or [])}
         self.mode = mode
         self.run: Any = None
@@ -48,8 +49,9 @@ class WandbLogger(NullLogger):
 
         output_dir.mkdir(parents=True, exist_ok=True)
         self.output_dir = output_dir
-        # mode passed to init outranks WANDB_MODE in the environment, so offline stays offline. The
-        # system monitor is off: its sampling process would compete for the cores being timed.
+        # logger.mode (whose default reads WANDB_MODE) is passed to init, where it outranks the
+        # environment: logger.mode=offline stays offline. The system monitor is off: its sampling
+        # process would compete for the cores being timed.
         settings = wandb.Settings(silent=True, x_disable_stats=True, console="off")
         try:
             self.run = wandb.init(config=config, dir=str(output_dir), reinit="finish_previous", settings=settings,

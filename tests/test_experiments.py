@@ -1,0 +1,120 @@
+"""experiment=NAME presets compose (and run on the tiny model); the Spec-Bench-style file; the SLURM launcher."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from collections import Counter
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from omegaconf import DictConfig, OmegaConf
+
+from specdec.cli_checks import CONFIG_DIR
+from specdec.data import load_jsonl
+from specdec.run import run
+
+PRESETS = sorted(p.stem for p in (CONFIG_DIR / "experiment").glob("*.yaml"))
+DATA_FILE = CONFIG_DIR.parent / "experiments" / "data" / "specbench_style.jsonl"
+SPEC_BENCH_CATEGORIES = {"writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities",
+                         "translation", "summarization", "qa", "math_reasoning", "rag"}
+MT_BENCH = {"writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities"}
+
+
+def composed(*overrides: str, hydra: bool = False) -> DictConfig:
+    with initialize_config_dir(str(CONFIG_DIR), version_base=None):
+        return compose("run", overrides=list(overrides), return_hydra_config=hydra)
+
+
+def test_the_presets_named_in_the_docs_exist() -> None:
+    assert {"headline", "foundation", "training_free", "specbench_style", "sweep_prompt_lookup"} <= set(PRESETS)
+
+
+@pytest.mark.parametrize("name", PRESETS)
+def test_preset_composes_with_built_strategies(name: str) -> None:
+    assert (CONFIG_DIR / "experiment" / f"{name}.yaml").read_text().startswith("# @package _global_")
+    cfg = composed(f"experiment={name}", hydra=True)
+    names = list(cfg.strategies)
+    for strategy in names:
+        assert (CONFIG_DIR / "strategy" / f"{strategy}.yaml").is_file(), f"{name} names unbuilt {strategy}"
+    assert cfg.baseline in names
+    assert cfg.model.name == "smollm2-135m"  # tables are on the default model, pinned
+    assert cfg.generation.temperature == 0.0
+    assert name in cfg.hydra.sweep.dir  # results land in a folder named for the preset
+
+
+def test_preset_contents() -> None:
+    headline = composed("experiment=headline")
+    assert list(headline.strategies) == ["greedy", "hf_generate", "prompt_lookup", "hf_prompt_lookup", "lookahead"]
+    assert headline.baseline == "greedy" and headline.data.name == "default"
+    foundation = composed("experiment=foundation")
+    assert list(foundation.strategies) == ["greedy", "hf_generate"] and foundation.baseline == "hf_generate"
+    free = composed("experiment=training_free")
+    assert list(free.strategies) == ["greedy", "prompt_lookup", "lookahead", "hf_prompt_lookup"]
+    spec = composed("experiment=specbench_style")
+    assert list(spec.strategies) == list(headline.strategies) and spec.data.name == "jsonl"
+    assert Path(spec.data.path) == DATA_FILE  # found through ${specdec.repo:...}, not the working directory
+
+
+def test_sweep_preset_sweeps_draft_tokens_of_the_composed_strategy() -> None:
+    cfg = composed("experiment=sweep_prompt_lookup", hydra=True)
+    assert cfg.strategy.name == "prompt_lookup" and "prompt_lookup" in cfg.strategies
+    values = str(cfg.hydra.sweeper.params["strategy.num_draft_tokens"]).split(",")
+    assert [int(v) for v in values] == [2, 4, 8, 12]
+    assert "num_draft_tokens" in cfg.strategy and cfg.strategy.adaptive is False
+
+
+def test_command_line_overrides_win_over_presets() -> None:
+    cfg = composed("experiment=headline", "model=tiny-llama", "repeats=1", "generation.max_new_tokens=5")
+    assert cfg.model.name == "tiny-llama" and cfg.repeats == 1 and cfg.generation.max_new_tokens == 5
+
+
+def test_foundation_preset_runs_on_the_tiny_model(tmp_path: Path) -> None:
+    cfg = composed("experiment=foundation", "model=tiny-llama", "data.limit=1", "generation.max_new_tokens=3",
+                   "repeats=1", "warmup=0", f"output_dir={tmp_path}")
+    summary = run(cfg)
+    assert summary["baseline"] == "hf_generate"
+    assert set(summary["strategies"]) == {"greedy", "hf_generate"}
+    assert summary["strategies"]["greedy"]["matches_baseline"] == 1.0  # same weights, same greedy tokens
+    assert (tmp_path / "answers.jsonl").is_file()
+
+
+def test_specbench_style_file() -> None:
+    lines = DATA_FILE.read_text(encoding="utf-8").splitlines()
+    raw = [json.loads(line) for line in lines]
+    assert all(isinstance(r["question_id"], int) for r in raw)
+    assert len({r["question_id"] for r in raw}) == len(raw)
+    questions = load_jsonl(str(DATA_FILE))
+    assert 25 <= len(questions) <= 40
+    counts = Counter(q.category for q in questions)
+    assert set(counts) == SPEC_BENCH_CATEGORIES
+    for group in ("translation", "summarization", "qa", "math_reasoning", "rag"):
+        assert 4 <= counts[group] <= 6
+    assert 5 <= sum(counts[c] for c in MT_BENCH) <= 16
+    for q in questions:
+        assert all(0 < len(t) < 1000 for t in q.turns)
+        assert len(q.turns) == (2 if q.category in MT_BENCH else 1)
+
+
+def test_specbench_style_path_resolves_from_another_directory(tmp_path: Path,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("PWD", str(tmp_path))
+    cfg = composed("experiment=specbench_style")
+    assert len(load_jsonl(OmegaConf.to_container(cfg.data, resolve=True)["path"])) == len(load_jsonl(str(DATA_FILE)))
+
+
+def test_no_launcher_plugin_needed_unless_selected() -> None:
+    cfg = composed(hydra=True)
+    assert "BasicLauncher" in cfg.hydra.launcher._target_
+
+
+@pytest.mark.skipif(importlib.util.find_spec("hydra_plugins.hydra_submitit_launcher") is None,
+                    reason="hydra-submitit-launcher is not installed")
+def test_slurm_launcher_composes() -> None:
+    cfg = composed("hydra/launcher=slurm", "hydra.launcher.partition=gpu", "experiment=sweep_prompt_lookup",
+                   hydra=True)
+    launcher = cfg.hydra.launcher
+    assert launcher._target_.endswith("SlurmLauncher")
+    assert launcher.partition == "gpu" and launcher.gpus_per_node == 1 and launcher.timeout_min > 0
