@@ -320,18 +320,20 @@ class DraftTrainable:
         valid = labels >= 0
         small = self.to_kept.to(labels.device)[labels.clamp_min(0)]
         small = torch.where(valid & (small >= 0), small, torch.full_like(small, -100))  # unkept tokens: unlearnable
-        ce = F.cross_entropy(logits.flatten(0, 1), small.flatten(), ignore_index=-100)
-        logs = {"ce": float(ce)}
-        loss = ce
         scored = small >= 0
+        if not scored.any():  # nothing learnable in this batch (prompts only): a zero that keeps the graph
+            return logits.sum() * 0.0, {"ce": 0.0, "acc": 0.0, "coverage": 0.0}
+        ce = F.cross_entropy(logits.flatten(0, 1), small.flatten(), ignore_index=-100)
+        logs = {"ce": float(ce.detach())}
+        loss = ce
         if self.kl_weight > 0 and target_hidden is not None:
             p_log = F.log_softmax(F.linear(target_hidden[scored].float(), self.head.to(target_hidden.device)), -1)
             q_log = F.log_softmax(logits[scored], -1)
             kl = F.kl_div(q_log, p_log, log_target=True, reduction="batchmean")
             loss = loss + self.kl_weight * kl
-            logs["kl"] = float(kl)
+            logs["kl"] = float(kl.detach())
         with torch.no_grad():
-            logs["acc"] = float((logits.argmax(-1)[scored] == small[scored]).float().mean()) if scored.any() else 0.0
+            logs["acc"] = float((logits.argmax(-1)[scored] == small[scored]).float().mean())
             logs["coverage"] = float(scored.sum() / valid.sum().clamp_min(1))
         return loss, logs
 

@@ -114,7 +114,11 @@ class LengthBatches(Sampler[list[int]]):
 
 
 def collate(rows: list[dict[str, Any]], seq_len: int, pad_id: int) -> dict[str, Tensor]:
-    """Right-padded (B, T) input_ids, labels (-100 on padding) and attention_mask; `hidden` if cached."""
+    """Right-padded (B, T) input_ids, labels (-100 on padding) and attention_mask; `hidden` if cached.
+
+    A sequence longer than seq_len keeps its last seq_len tokens: the start of the prompt is cut, never
+    the continuation the labels are on.
+    """
     T = min(seq_len, max(len(r["input_ids"]) for r in rows))
     B = len(rows)
     ids = torch.full((B, T), pad_id, dtype=torch.long)
@@ -122,8 +126,8 @@ def collate(rows: list[dict[str, Any]], seq_len: int, pad_id: int) -> dict[str, 
     mask = torch.zeros((B, T), dtype=torch.long)
     for b, r in enumerate(rows):
         n = min(T, len(r["input_ids"]))
-        ids[b, :n] = torch.tensor(r["input_ids"][:n])
-        labels[b, :n] = torch.tensor(r["labels"][:n])
+        ids[b, :n] = torch.tensor(r["input_ids"][-n:])
+        labels[b, :n] = torch.tensor(r["labels"][-n:])
         mask[b, :n] = 1
     batch = {"input_ids": ids, "labels": labels, "attention_mask": mask}
     if "hidden" in rows[0]:
@@ -131,7 +135,7 @@ def collate(rows: list[dict[str, Any]], seq_len: int, pad_id: int) -> dict[str, 
         hidden = torch.zeros((B, T, D), dtype=torch.float32)
         for b, r in enumerate(rows):
             n = min(T, len(r["hidden"]))
-            hidden[b, :n] = torch.tensor(r["hidden"][:n])
+            hidden[b, :n] = torch.tensor(r["hidden"][-n:])
         batch["hidden"] = hidden
     return batch
 
@@ -307,6 +311,8 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     t = cfg.train
     accelerator = Accelerator(mixed_precision=str(t.mixed_precision), cpu=bool(t.cpu))
     say = accelerator.print
+    if t.torch_threads:
+        torch.set_num_threads(int(t.torch_threads))
     torch.manual_seed(int(t.seed))
     target: LoadedModel = instantiate(cfg.model, device=str(accelerator.device))
     trainable: Trainable = instantiate(cfg.head)

@@ -48,13 +48,17 @@ ESTIMATES = ("product", "joint")
 # ------------------------------------------------------------------------------------------------
 
 
-def calibration_prompts(n: int, seed: int, benchmark_seed: int = 0, benchmark_per_category: int = 10) -> list[str]:
-    """n first turns of the offline suite drawn with `seed`, none of them in the benchmark's suite,
-    interleaved across categories so a small n still covers every kind of prompt."""
+def calibration_prompts(n: int, seed: int, benchmark_seed: int = 0, benchmark_per_category: int = 20) -> list[str]:
+    """n first turns of the offline suite drawn with `seed`, none of them a turn of the benchmark's suite,
+    interleaved across categories so a small n still covers every kind of prompt.
+
+    The suite's pools are small, so calibration prompts may also appear in the heads' training data
+    (heads.distill_data draws from the same pools); only the benchmark is kept out.
+    """
     if seed == benchmark_seed:
         raise SpecdecError(f"calibration.seed={seed} is the benchmark's seed; pick another so tuning does not "
                            "see the test prompts")
-    seen = {q.turns[0] for q in default_suite(benchmark_per_category, benchmark_seed)}
+    seen = {t for q in default_suite(benchmark_per_category, benchmark_seed) for t in q.turns}
     by_cat: dict[str, list[str]] = {}
     for q in default_suite(max(1, min(40, math.ceil(n / 4))), seed):
         if q.turns[0] not in seen:
@@ -222,7 +226,7 @@ def tune(cfg: DictConfig) -> dict[str, Any]:
     if t.estimate not in ESTIMATES:
         raise SpecdecError(f"unknown tree.estimate={t.estimate!r}; use product or joint")
     c = cfg.calibration
-    texts = calibration_prompts(int(c.prompts), int(c.seed), int(c.benchmark_seed))
+    texts = calibration_prompts(int(c.prompts), int(c.seed), int(c.benchmark_seed), int(c.benchmark_per_category))
     prompts = [target.chat_ids([{"role": "user", "content": x}]) for x in texts]
     cal = calibrate(target, heads, prompts, int(c.max_new_tokens), int(t.width))
     acc = rank_accuracy(cal.ranks, cal.width)

@@ -66,7 +66,28 @@ def strategy_metrics(rows: list[Row]) -> dict[str, Any]:
         "accept_length_histogram": dict(sorted(Counter(accs[1:] if accs else []).items())) or None,
         "ttft_distribution": _percentiles(ttfts),
         "tpot_distribution": _percentiles(tpots),
-    }
+    } | _draft_model_metrics(proposed, by_pos_p, by_pos_a, steps, draft_time, decode_time)
+
+
+def _draft_model_metrics(proposed: int, by_pos_p: list[int], by_pos_a: list[int], steps: int, draft_time: float,
+                         decode_time: float) -> dict[str, Any]:
+    """Leviathan et al.'s model beside the measurement: per-token acceptance alpha (each verified draft
+    token accepted with probability alpha, independently), mean draft length gamma and cost ratio c
+    (one draft step over one target step, measured) predict a speedup of
+    (1 - alpha^(gamma+1)) / ((1 - alpha)(gamma c + 1)) over autoregressive decoding."""
+    # a position was tested when it was proposed and every earlier one accepted
+    tested = [p if i == 0 else min(p, by_pos_a[i - 1]) for i, p in enumerate(by_pos_p)]
+    alpha = sum(by_pos_a) / sum(tested) if sum(tested) else None
+    gamma = proposed / steps if steps and proposed else None
+    target_step = (decode_time - draft_time) / steps if steps else 0.0
+    cost = (draft_time / proposed) / target_step if proposed and target_step > 0 else None
+    expected = None
+    if alpha is not None and gamma is not None and cost is not None:
+        gain = gamma + 1 if alpha >= 1 else (1 - alpha ** (gamma + 1)) / (1 - alpha)
+        expected = gain / (gamma * cost + 1)
+    return {"proposed_by_position": by_pos_p or None, "accepted_by_position": by_pos_a or None,
+            "alpha_per_token": alpha, "mean_draft_length": gamma, "cost_ratio": cost,
+            "expected_speedup": expected}
 
 
 def _matches(rows: list[Row], base_rows: list[Row]) -> float | None:
