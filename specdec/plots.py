@@ -61,7 +61,8 @@ def acceptance_by_position(curves: Mapping[str, Sequence[float]], path: Path, ti
 
 def accept_length_histogram(hists: Mapping[str, Mapping[int, int]], path: Path, title: str = "") -> Path:
     """Share of target passes that committed n tokens, side by side per strategy."""
-    lengths = sorted({n for h in hists.values() for n in h})
+    seen = {n for h in hists.values() for n in h}
+    lengths = list(range(min(seen), max(seen) + 1)) if seen else []  # empty lengths show as gaps
     fig = Figure(figsize=(max(6.0, 0.5 * len(lengths) + 3), 4.0))
     ax = fig.add_subplot()
     width = 0.8 / max(1, len(hists))
