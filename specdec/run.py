@@ -10,6 +10,7 @@ import dataclasses
 import json
 import os
 import platform
+import re
 import signal
 import sys
 import time
@@ -37,14 +38,26 @@ class Interrupted(SpecdecError):
     """Ctrl-C: what finished is on disk; the same command with the same output_dir resumes."""
 
 
+def build(cfg: Any) -> Any:
+    """hydra.utils.instantiate, re-raising the SpecdecError a target raised rather than Hydra's wrapper
+    (callers of run() then see the same one line the CLI prints)."""
+    try:
+        return instantiate(cfg)
+    except Exception as e:
+        err = user_error(e)
+        if err is None or err is e:
+            raise
+        raise err from None  # its own traceback still points at the target
+
+
 def load_questions(data_cfg: DictConfig) -> list[Question]:
     cfg = OmegaConf.to_container(data_cfg, resolve=True)
     assert isinstance(cfg, dict)
     limit, categories = cfg.pop("limit", None), cfg.pop("categories", None)
     cfg.pop("name", None)
-    if "path" in data_cfg and OmegaConf.is_missing(data_cfg, "path"):
+    if "path" in cfg and OmegaConf.is_missing(data_cfg, "path"):  # `in` on the DictConfig skips missing keys
         raise SpecdecError(f"data={data_cfg.name} needs a file: add data.path=FILE")
-    return select(instantiate(cfg), limit=limit, categories=categories)
+    return select(build(cfg), limit=limit, categories=categories)
 
 
 def _integer(value: Any, name: str, minimum: int) -> int:
@@ -76,7 +89,9 @@ def _stop_strings(value: Any) -> tuple[str, ...]:
     if not all(isinstance(x, str) and x for x in items):
         raise SpecdecError(f"generation.stop={items!r} must be a list of non-empty strings, e.g. "
                            "'generation.stop=[\"###\"]'")
-    return tuple(items)
+    # Hydra's override grammar keeps backslashes as typed: read \n and \t as on the command line.
+    escapes = {"n": "\n", "t": "\t", "\\": "\\"}
+    return tuple(re.sub(r"\\([nt\\])", lambda m: escapes[m.group(1)], x) for x in items)
 
 
 def generation_params(cfg: DictConfig, eos_ids: tuple[int, ...] = ()) -> GenerationParams:
@@ -107,7 +122,7 @@ def build_strategies(cfg: DictConfig, target: LoadedModel,
     built: dict[str, Strategy] = {}
     for name in strategy_names(cfg):
         scfg = configs[name] if configs is not None else strategy_config(cfg, name)
-        factory = instantiate(scfg)
+        factory = build(scfg)
         built[name] = factory(target=target, max_len=int(cfg.generation.max_len),
                               prefill_chunk=int(cfg.generation.prefill_chunk))
     return built
@@ -232,14 +247,14 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     repeats = int(cfg.repeats)
     pending = _pending(log, names, questions, repeats)
 
-    target: LoadedModel = instantiate(cfg.model)
+    target: LoadedModel = build(cfg.model)
     params = dataclasses.replace(params, eos_ids=target.eos_ids)
     strategies = build_strategies(cfg, target, strategy_cfgs)
     config = OmegaConf.to_container(cfg, resolve=True)
     assert isinstance(config, dict)
     config["environment"] = environment() | {"dtype": str(target.dtype).removeprefix("torch."),
                                              "backend": target.backend}
-    logger = instantiate(cfg.logger)
+    logger = build(cfg.logger)
     logger.start(config, out_dir)
     failures: dict[str, str] = {}
     interrupted = False

@@ -32,19 +32,24 @@ class GenerationParams:
 
 
 def stop_cut(tokenizer: Any, ids: list[int], start: int, first_new: int, stop: tuple[str, ...]) -> int | None:
-    """The length to keep ids at if a stop string ends within ids[first_new:], else None.
+    """The length to keep ids at: through the first token of ids[first_new:] that completes a stop
+    string (one that is in the text with that token and not without it), or None.
 
-    Text is matched only after `start` (the prompt's end). Each new token is checked by decoding a
-    short window ending at it, wide enough for the longest stop string (every token decodes to at
-    least one character), so the cost does not grow with the output.
+    Text is matched only after `start` (the prompt's end). Each token is checked by decoding a short
+    window ending at it, wide enough for the longest stop string (every token decodes to at least
+    one character), so the cost does not grow with the output.
     """
     if not stop:
         return None
     window = max(len(s) for s in stop) + 2
     for end in range(max(first_new, start) + 1, len(ids) + 1):
-        text = tokenizer.decode(ids[max(start, end - window):end], skip_special_tokens=False)
-        if any(s in text for s in stop):
-            return end
+        lo = max(start, end - window)
+        text = tokenizer.decode(ids[lo:end], skip_special_tokens=False)
+        hits = [s for s in stop if s in text]
+        if hits:
+            before = tokenizer.decode(ids[lo:end - 1], skip_special_tokens=False)
+            if any(s not in before for s in hits):
+                return end
     return None
 
 
