@@ -334,6 +334,31 @@ def user_error(exc: BaseException) -> SpecdecError | None:
 EXIT_USER, EXIT_BUG, EXIT_INTERRUPTED = 2, 1, 130
 
 
+class JobFailed(Exception):
+    """A multirun job failed and has said why on stderr: the sweep runs its other jobs, then exits."""
+
+    def __init__(self, code: int) -> None:
+        super().__init__(f"a job failed (exit code {code})")
+        self.code = code
+
+
+def _in_multirun() -> bool:
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    try:
+        return HydraConfig.get().mode == RunMode.MULTIRUN
+    except ValueError:  # not under Hydra (run() called directly)
+        return False
+
+
+def _fail(line: str, code: int) -> None:
+    print(f"error: {line}", file=sys.stderr)
+    if code != EXIT_INTERRUPTED and _in_multirun():
+        raise JobFailed(code)  # Hydra's sweeper finishes the other jobs first
+    sys.exit(code)
+
+
 @hydra.main(version_base=None, config_path=str(CONFIG_DIR), config_name="run")
 def hydra_main(cfg: DictConfig) -> None:
     try:
@@ -341,20 +366,19 @@ def hydra_main(cfg: DictConfig) -> None:
     except KeyboardInterrupt:  # before the answer loop (loading): nothing new was written
         if cfg.get("debug"):
             raise
-        print(f"error: interrupted before any answer was generated; run the same command to start again "
-              f"(output_dir={cfg.output_dir})", file=sys.stderr)
-        sys.exit(EXIT_INTERRUPTED)
+        _fail(f"interrupted before any answer was generated; run the same command to start again "
+              f"(output_dir={cfg.output_dir})", EXIT_INTERRUPTED)
+        return
     except Exception as e:
         if cfg.get("debug"):
             raise
         err = user_error(e)
         if err is None:
             detail = " ".join(str(e).split())[:300]
-            print(f"error: unexpected {type(e).__name__}: {detail} (rerun with debug=true for the traceback)",
-                  file=sys.stderr)
-            sys.exit(EXIT_BUG)
-        print(f"error: {' '.join(str(err).split())}", file=sys.stderr)
-        sys.exit(EXIT_INTERRUPTED if isinstance(err, Interrupted) else EXIT_USER)
+            _fail(f"unexpected {type(e).__name__}: {detail} (rerun with debug=true for the traceback)", EXIT_BUG)
+        else:
+            _fail(" ".join(str(err).split()), EXIT_INTERRUPTED if isinstance(err, Interrupted) else EXIT_USER)
+        return
     print_summary(summary, cfg.output_dir)
 
 
@@ -367,6 +391,8 @@ def main() -> None:
     try:
         check_overrides(argv)
         hydra_main()
+    except JobFailed as e:
+        sys.exit(e.code)
     except KeyboardInterrupt:
         if debug:
             raise

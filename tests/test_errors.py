@@ -158,3 +158,27 @@ def test_nan_weights_fail_every_question_with_a_clear_error(tmp_path: Path) -> N
     assert sorted(failures) == ["greedy/q0", "greedy/q1"]
     assert all("NaN or inf logits" in m for m in failures.values())
     assert read_answers(out) == []
+
+
+def test_debug_true_shows_the_traceback(tmp_path: Path) -> None:
+    res = cli("generation.foo=1", "debug=true", f"output_dir={tmp_path}", cwd=tmp_path)
+    assert res.returncode != 0
+    assert "Traceback" in res.stderr and "generation.foo" in res.stderr
+
+
+def test_a_failed_multirun_job_lets_the_sweep_go_on(monkeypatch: pytest.MonkeyPatch,
+                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    import specdec.run as runner
+
+    monkeypatch.setattr(runner, "_in_multirun", lambda: True)
+    with pytest.raises(runner.JobFailed) as failed:
+        runner._fail("bad setting", runner.EXIT_USER)
+    assert failed.value.code == 2
+    with pytest.raises(SystemExit) as stopped:  # Ctrl-C stops the whole sweep
+        runner._fail("interrupted", runner.EXIT_INTERRUPTED)
+    assert stopped.value.code == 130
+    monkeypatch.setattr(runner, "_in_multirun", lambda: False)
+    with pytest.raises(SystemExit) as single:
+        runner._fail("bad setting", runner.EXIT_USER)
+    assert single.value.code == 2
+    assert capsys.readouterr().err.splitlines() == ["error: bad setting", "error: interrupted", "error: bad setting"]
