@@ -46,7 +46,7 @@ import os
 import shutil
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -83,6 +83,8 @@ class TrainState:
     batch_in_epoch: int = 0  # global batches of this epoch already trained on
     elapsed_s: float = 0.0
     loss_ema: float | None = None
+    first_loss: float | None = None
+    recent_losses: list[float] = field(default_factory=list)  # the last 10 steps'
 
 
 # --------------------------------------------------------------------------------------------------
@@ -380,6 +382,8 @@ def train(cfg: DictConfig) -> dict[str, Any]:
             state.batch_in_epoch += accelerator.num_processes
             value = float(loss)
             state.loss_ema = value if state.loss_ema is None else 0.95 * state.loss_ema + 0.05 * value
+            state.first_loss = value if state.first_loss is None else state.first_loss
+            state.recent_losses = [*state.recent_losses[-9:], value]
             state.elapsed_s = time.perf_counter() - clock
             if state.step % int(t.log_every) == 0:
                 metrics = {"train/loss": value, "train/loss_ema": state.loss_ema, "train/lr": lr} | {
@@ -415,7 +419,9 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         if logger is not None:
             _log(logger, val, state.step)
     meta = {"steps": state.step, "epochs": state.epoch, "minutes": state.elapsed_s / 60,
-            "loss_ema": state.loss_ema, "sequences": len(train_data), "target_tokens": tokens,
+            "loss_ema": state.loss_ema, "first_loss": state.first_loss,
+            "last_loss": sum(state.recent_losses) / len(state.recent_losses) if state.recent_losses else None,
+            "sequences": len(train_data), "target_tokens": tokens,
             "date": time.strftime("%Y-%m-%d %H:%M:%S"), "config": OmegaConf.to_container(cfg, resolve=True)} | val
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:

@@ -1,0 +1,238 @@
+"""Draft-model speculative decoding: losslessness, cache rollback, schedules, sampling, peers."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from helpers import assert_kv_matches_fresh
+from hydra.utils import instantiate
+from omegaconf import OmegaConf
+
+from specdec.cli_checks import CONFIG_DIR
+from specdec.engine.sampling import SamplingParams, warp
+from specdec.errors import SpecdecError
+from specdec.metrics import strategy_metrics
+from specdec.models.loader import LoadedModel, load_model
+from specdec.strategies.base import DecodeState, GenerationParams
+from specdec.strategies.draft import CostAware, DraftStrategy, FixedLength, Heuristic
+from specdec.strategies.greedy import Greedy
+from specdec.strategies.hf import HFAssisted
+
+PROMPTS = ["Summarize: the quick brown fox jumps over the lazy dog.", "def add(a, b):\n    return"]
+
+
+def tiny(seed: int = 0, **extra: Any) -> LoadedModel:
+    cfg = OmegaConf.to_container(OmegaConf.load(CONFIG_DIR / "model" / "tiny-llama.yaml"), resolve=True)
+    assert isinstance(cfg, dict)
+    cfg.pop("_target_")
+    cfg["tiny"] = cfg["tiny"] | {"seed": seed} | extra
+    return load_model(**cfg)
+
+
+@pytest.fixture(scope="module")
+def target() -> LoadedModel:
+    return tiny(0)
+
+
+@pytest.fixture(scope="module")
+def wrong_draft() -> LoadedModel:
+    return tiny(1)  # same tokenizer, other random weights: almost never agrees with the target
+
+
+def prompt_ids(target: LoadedModel, text: str) -> list[int]:
+    return target.chat_ids([{"role": "user", "content": text}])
+
+
+def greedy_ids(target: LoadedModel, prompt: list[int], n: int) -> list[int]:
+    return Greedy(target, "greedy", 512, 64).generate(prompt, GenerationParams(n), 0).output_ids
+
+
+@pytest.mark.parametrize("which", ["wrong", "self"])
+def test_draft_reproduces_greedy(target: LoadedModel, wrong_draft: LoadedModel, which: str) -> None:
+    draft = wrong_draft if which == "wrong" else target
+    gamma = 4
+    strategy = DraftStrategy(target, "draft", draft, FixedLength(gamma), 512, 64)
+    for text in PROMPTS:
+        prompt = prompt_ids(target, text)
+        res = strategy.generate(prompt, GenerationParams(30), 0)
+        assert res.output_ids == greedy_ids(target, prompt, 30)
+        assert sum(res.accept_lengths) == len(res.output_ids) == 30
+        assert len(res.accept_lengths) == res.decode_steps + 1
+        if which == "self":  # the target drafting for itself is always right: tau = gamma + 1
+            assert res.accept_lengths[1:-1] == [gamma + 1] * (len(res.accept_lengths) - 2)
+            assert res.accepted == res.proposed
+        else:
+            assert res.accepted <= res.proposed // 4  # a different random model rarely agrees
+
+
+def test_caches_match_recomputation_after_rejections(target: LoadedModel, wrong_draft: LoadedModel) -> None:
+    strategy = DraftStrategy(target, "draft", wrong_draft, FixedLength(3), 512, 64)
+    prompt = prompt_ids(target, PROMPTS[0])
+    params = GenerationParams(200)
+    out = strategy.engine.prefill(prompt)
+    state = DecodeState(list(prompt), len(prompt), params, None)
+    state.ids.append(int(out.logits[-1].argmax()))
+    proposer = strategy.make_proposer()
+    proposer.start(state, out)
+    rejected = 0
+    for _ in range(8):
+        proposal = proposer.propose(state)
+        assert proposal is not None
+        verdict, out = strategy._step(state, proposal)
+        rejected += len(verdict.nodes) < len(proposal.tokens)
+        state.ids.extend(verdict.tokens)
+        proposer.commit(state, verdict, out)
+        # the target cache holds everything but the root; the draft cache a prefix of the sequence
+        assert_kv_matches_fresh(strategy.engine, state.ids[:-1])
+        fed = proposer.fed
+        assert fed == state.ids[:len(fed)]
+        assert_kv_matches_fresh(strategy.drafter.engine, fed)
+    assert rejected >= 4
+
+
+def test_draft_cache_catches_up_after_full_acceptance(target: LoadedModel) -> None:
+    strategy = DraftStrategy(target, "draft", target, FixedLength(3), 512, 64)
+    prompt = prompt_ids(target, PROMPTS[1])
+    out = strategy.engine.prefill(prompt)
+    state = DecodeState(list(prompt), len(prompt), GenerationParams(100), None)
+    state.ids.append(int(out.logits[-1].argmax()))
+    proposer = strategy.make_proposer()
+    proposer.start(state, out)
+    for _ in range(3):
+        proposal = proposer.propose(state)
+        assert proposal is not None
+        verdict, out = strategy._step(state, proposal)
+        assert len(verdict.nodes) == 3
+        state.ids.extend(verdict.tokens)
+        proposer.commit(state, verdict, out)
+        # the last drafted token and the bonus token are fed with the next proposal
+        assert len(state.ids) - len(proposer.fed) == 2
+        assert_kv_matches_fresh(strategy.drafter.engine, proposer.fed)
+
+
+def test_heuristic_schedule_grows_and_shrinks(target: LoadedModel, wrong_draft: LoadedModel) -> None:
+    prompt = prompt_ids(target, PROMPTS[0])
+    grow = DraftStrategy(target, "h", target, Heuristic(gamma=2, max_gamma=8), 512, 64)
+    res = grow.generate(prompt, GenerationParams(40), 0)
+    assert res.accept_lengths[1:5] == [3, 5, 7, 9]  # +2 per full acceptance, capped at 8
+    shrink = Heuristic(gamma=6)
+    DraftStrategy(target, "h", wrong_draft, shrink, 512, 64).generate(prompt, GenerationParams(20), 0)
+    assert shrink.gamma <= 2
+
+
+def test_cost_aware_schedule() -> None:
+    cheap = CostAware(max_gamma=10, cost_ratio=0.01, verify_cost=0.0)
+    cheap.length()
+    assert all(cheap.keep_drafting(i + 1, 0.97) for i in range(5))  # confident and cheap: keep going
+    dear = CostAware(max_gamma=10, cost_ratio=2.0)
+    dear.length()
+    assert not dear.keep_drafting(1, 0.97)  # a draft step dearer than a target step never pays
+    calib = CostAware(max_gamma=10, cost_ratio=0.5, verify_cost=0.0, prior_weight=1.0)
+    for _ in range(100):  # the draft is confident but the target never agrees
+        calib.update(1, 0, [0.95], 0.001, 0.02)
+    assert calib.accept_prob(0.95) < 0.05
+    calib.length()
+    assert not calib.keep_drafting(1, 0.95)
+    assert calib.cost == pytest.approx(0.05, rel=0.1)  # measured draft/target time ratio
+
+
+@pytest.mark.parametrize("schedule", ["draft_heuristic", "draft_confidence", "draft_cost_aware"])
+def test_adaptive_schedules_stay_lossless(target: LoadedModel, wrong_draft: LoadedModel, schedule: str) -> None:
+    cfg = OmegaConf.load(CONFIG_DIR / "strategy" / f"{schedule}.yaml")
+    sched = instantiate(cfg.schedule)
+    prompt = prompt_ids(target, PROMPTS[1])
+    for draft in (target, wrong_draft):
+        res = DraftStrategy(target, schedule, draft, sched, 512, 64).generate(prompt, GenerationParams(25), 0)
+        assert res.output_ids == greedy_ids(target, prompt, 25)
+
+
+def _first_token_counts(strategy: DraftStrategy, prompt: list[int], sp: SamplingParams, n: int) -> torch.Tensor:
+    """Counts of the first token the speculative step commits after a fixed root, over n seeds."""
+    counts = torch.zeros(strategy.target.vocab_size)
+    params = GenerationParams(8, sp)
+    base = len(prompt) - 1  # the last prompt token is the root
+    out = strategy.engine.prefill(prompt[:-1])
+    proposer = strategy.make_proposer()
+    proposer.start(DecodeState(list(prompt), base, params, None), out)
+    for seed in range(n):
+        state = DecodeState(list(prompt), base, params, torch.Generator().manual_seed(seed))
+        proposal = proposer.propose(state)
+        assert proposal is not None and proposal.probs is not None
+        verdict, _ = strategy._step(state, proposal)
+        counts[verdict.tokens[0]] += 1
+        strategy.engine.rollback(base)  # both caches back to the prompt for the next draw
+        strategy.drafter.engine.rollback(base)
+        del proposer.fed[base:]
+    return counts
+
+
+@pytest.mark.parametrize("draft_kind", ["close", "far"])
+def test_speculative_sampling_preserves_target_distribution(target: LoadedModel, wrong_draft: LoadedModel,
+                                                            draft_kind: str) -> None:
+    from scipy.stats import chisquare
+
+    if draft_kind == "close":  # the target with slightly perturbed weights
+        draft = tiny(0)
+        g = torch.Generator().manual_seed(5)
+        with torch.no_grad():
+            for p in draft.model.parameters():
+                p.add_(torch.randn(p.shape, generator=g) * 0.01)
+    else:
+        draft = wrong_draft
+    # a low temperature concentrates the target on a few tokens, so 300 draws can see a biased rule
+    sp = SamplingParams(temperature=0.3, top_p=0.9)  # both warps must apply to q as they do to p
+    strategy = DraftStrategy(target, "draft", draft, FixedLength(3), 256, 64)
+    prompt = prompt_ids(target, "Hello")
+    n = 300
+    counts = _first_token_counts(strategy, prompt, sp, n)
+    p = warp(strategy.engine.prefill(prompt).logits[-1], sp)  # (V,) the target's distribution
+    assert counts[p == 0].sum() == 0  # nothing outside the target's nucleus
+    big = p * n >= 5  # chi-square needs expected counts >= 5: lump the tail into one bin
+    observed = torch.cat([counts[big], counts[~big].sum()[None]])
+    expected = torch.cat([p[big], p[~big].sum()[None]]) * n
+    keep = expected > 0
+    assert big.sum() >= 4
+    assert chisquare(observed[keep].numpy(), expected[keep].numpy()).pvalue > 1e-3
+    q = warp(strategy.drafter.engine.prefill(prompt).logits[-1], sp)
+    tv = 0.5 * float((p - q).abs().sum())
+    assert (tv < 0.5) if draft_kind == "close" else (tv > 0.9)  # the two cases really differ
+
+
+def test_mismatched_tokenizer_fails_before_running(target: LoadedModel) -> None:
+    other = tiny(0, vocab_size=600)
+    with pytest.raises(SpecdecError, match="tokenizer|vocabulary"):
+        DraftStrategy(target, "draft", other, FixedLength(4), 512, 64)
+
+
+def test_missing_trained_draft_is_one_clear_line() -> None:
+    from heads.draft_model import load_draft
+
+    with pytest.raises(SpecdecError, match=r"python -m heads.train head=draft model=nosuch") as err:
+        load_draft("heads/checkpoints/nosuch-draft")
+    assert "\n" not in str(err.value)
+
+
+def test_hf_assisted_matches_greedy(target: LoadedModel, wrong_draft: LoadedModel) -> None:
+    prompt = prompt_ids(target, PROMPTS[0])
+    peer = HFAssisted(target, "hf_assisted", wrong_draft, num_assistant_tokens=3)
+    assert peer.assistant_model().generation_config.num_assistant_tokens == 3
+    assert peer.generate(prompt, GenerationParams(20), 0).output_ids == greedy_ids(target, prompt, 20)
+
+
+def test_summary_reports_leviathan_prediction(target: LoadedModel) -> None:
+    strategy = DraftStrategy(target, "draft", target, FixedLength(4), 512, 64)
+    res = strategy.generate(prompt_ids(target, PROMPTS[0]), GenerationParams(26), 0)
+    row = {"new_tokens": len(res.output_ids), "wall_time_s": res.wall_time_s, "ttft_s": res.ttft_s,
+           "decode_steps": res.decode_steps, "accept_lengths": res.accept_lengths,
+           "proposed_tokens": res.proposed, "accepted_tokens": res.accepted,
+           "proposed_by_pos": res.proposed_by_pos, "accepted_by_pos": res.accepted_by_pos,
+           "draft_time_s": res.draft_time_s}
+    m = strategy_metrics([row])
+    assert m["alpha_per_token"] == 1.0 and m["acceptance_rate"] == 1.0
+    assert m["accepted_by_position"] == res.accepted_by_pos
+    assert m["mean_draft_length"] == pytest.approx(res.proposed / res.decode_steps)
+    assert m["cost_ratio"] > 0.3  # the draft is the target itself: a draft step costs about a target step
+    g, c = m["mean_draft_length"], m["cost_ratio"]
+    assert m["expected_speedup"] == pytest.approx((g + 1) / (g * c + 1))
