@@ -380,7 +380,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
             optimizer.zero_grad(set_to_none=True)
             state.step += 1
             state.batch_in_epoch += accelerator.num_processes
-            value = float(loss)
+            value = float(loss.detach())
             state.loss_ema = value if state.loss_ema is None else 0.95 * state.loss_ema + 0.05 * value
             state.first_loss = value if state.first_loss is None else state.first_loss
             state.recent_losses = [*state.recent_losses[-9:], value]

@@ -1,0 +1,120 @@
+"""`python -m heads.train`: distillation data, a short draft training, resume, the shipped artifact."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+from omegaconf import DictConfig
+
+from heads.distill_data import distill_prompts, to_example
+from heads.draft_model import load_draft
+from heads.train import target_hidden, train
+from specdec.cli_checks import CONFIG_DIR
+from specdec.data import default_suite
+from specdec.engine.engine import StaticEngine
+from specdec.errors import SpecdecError
+from specdec.models.loader import LoadedModel, load_model
+from specdec.strategies.base import GenerationParams
+from specdec.strategies.draft import DraftStrategy, FixedLength
+from specdec.strategies.greedy import Greedy
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("distill")  # shared: the first run generates, the others reuse
+
+
+def config(out: Path, data_dir: Path, *overrides: str) -> DictConfig:
+    with initialize_config_dir(str(CONFIG_DIR), version_base=None):
+        return compose("train", overrides=[
+            "model=tiny-llama", "head=draft", f"output_dir={out}", f"data.cache_dir={data_dir}",
+            "data.per_category=1", "data.seeds=[1]", "data.max_new_tokens=16", "data.batch_size=4",
+            "train.batch_size=2", "train.seq_len=96", "train.torch_threads=1", "train.log_every=100",
+            "train.val_fraction=0", "head.layers=1", "head.init_layers=[0]", "head.kept_vocab=128",
+            *overrides])
+
+
+def test_distill_prompts_never_contain_benchmark_questions() -> None:
+    prompts = distill_prompts(per_category=30, seeds=[1, 2], exclude_per_category=10, exclude_seed=0)
+    bench = {t for q in default_suite(per_category=10, seed=0) for t in q.turns}
+    assert len(prompts) > 100 and len(set(prompts)) == len(prompts)
+    assert not bench & set(prompts)
+    with pytest.raises(SpecdecError, match="benchmark seed"):
+        distill_prompts(per_category=5, seeds=[0], exclude_per_category=10, exclude_seed=0)
+
+
+def test_labels_are_the_continuation_shifted() -> None:
+    ex = to_example([5, 6, 7], [8, 9])
+    assert ex["input_ids"] == [5, 6, 7, 8, 9]
+    assert ex["labels"] == [-100, -100, 8, 9, -100]
+
+
+def test_target_hidden_matches_engine(tiny_target: LoadedModel) -> None:
+    ids = [[3, 17, 42, 9, 100, 7], [5, 6, 7, 8, 0, 0]]
+    mask = torch.tensor([[1] * 6, [1, 1, 1, 1, 0, 0]])
+    h = target_hidden(tiny_target, torch.tensor(ids), mask)  # (2, 6, D)
+    for b, n in enumerate((6, 4)):
+        ref = StaticEngine(tiny_target.model, 64).prefill(ids[b][:n]).hidden
+        torch.testing.assert_close(h[b, :n], ref, atol=1e-5, rtol=1e-4)
+
+
+def test_short_training_lowers_loss_and_ships_a_usable_draft(tmp_path: Path, data_dir: Path,
+                                                             tiny_target: LoadedModel) -> None:
+    out = tmp_path / "draft"
+    meta = train(config(out, data_dir, "train.max_steps=30", "train.lr=3e-3"))
+    assert meta["steps"] == 30
+    assert meta["last_loss"] < 0.7 * meta["first_loss"]
+    saved = json.loads((out / "config.json").read_text())
+    assert saved["base_model"] == "tiny-llama" and saved["num_layers"] == 1 and saved["kept_vocab"] == 128
+    assert saved["hidden_size"] == tiny_target.hidden_size and saved["vocab_size"] == tiny_target.vocab_size
+    draft = load_draft(str(out))
+    net = draft.bind(tiny_target)
+    assert net.token_ids is not None and len(net.token_ids) == 128
+    prompt = tiny_target.chat_ids([{"role": "user", "content": "Rewrite this sentence politely."}])
+    ref = Greedy(tiny_target, "greedy", 512, 64).generate(prompt, GenerationParams(24), 0).output_ids
+    res = DraftStrategy(tiny_target, "draft", draft, FixedLength(3), 512, 64).generate(prompt, GenerationParams(24), 0)
+    assert res.output_ids == ref
+    # the transformers wrapper (hf_assisted) scores exactly the kept rows, like the compact draft
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        hf_logits = net.hf_model()(ids).logits[0]  # (T, V)
+        cache = net.new_cache(256)
+        ours, _ = net(ids, torch.arange(len(prompt))[None], cache, cache.attention_mask(None, len(prompt)))
+    torch.testing.assert_close(hf_logits[:, net.token_ids], ours[0], atol=1e-4, rtol=1e-4)
+    assert torch.isinf(hf_logits).sum(-1).eq(tiny_target.vocab_size - 128).all()
+    other = load_model("tiny-wide", "builtin:tiny-llama", matmul="torch", tiny={"hidden_size": 32})
+    with pytest.raises(SpecdecError, match="trained for tiny-llama"):
+        draft.bind(other)
+
+
+def _final_params(out: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    last = sorted((out / "checkpoints").glob("step-*"))[-1]
+    return load_file(str(last / "trainable.safetensors"))
+
+
+def test_resume_continues_from_the_checkpoint(tmp_path: Path, data_dir: Path) -> None:
+    # a constant learning rate, so that the schedule does not depend on where a run was told to stop
+    flat = ("train.warmup_steps=0", "train.min_lr_ratio=1.0")
+    whole = train(config(tmp_path / "a", data_dir, "train.max_steps=8", *flat))
+    train(config(tmp_path / "b", data_dir, "train.max_steps=4", *flat))
+    assert (tmp_path / "b" / "checkpoints" / "step-0000004" / "optimizer.safetensors").is_file()
+    resumed = train(config(tmp_path / "b", data_dir, "train.max_steps=8", *flat))
+    assert resumed["steps"] == whole["steps"] == 8
+    a, b = _final_params(tmp_path / "a"), _final_params(tmp_path / "b")
+    assert a.keys() == b.keys()
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], atol=1e-6, rtol=1e-5)
+    fresh = train(config(tmp_path / "b", data_dir, "train.max_steps=2", "train.resume=false", *flat))
+    assert fresh["steps"] == 2
+
+
+def test_heads_reading_hidden_states_get_them_cached(tmp_path: Path, data_dir: Path) -> None:
+    meta = train(config(tmp_path / "kl", data_dir, "train.max_steps=3", "head.kl_weight=0.5"))
+    assert meta["steps"] == 3
+    assert any(p.name.startswith("hidden-") for p in data_dir.rglob("*.arrow"))
