@@ -254,6 +254,12 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     assert isinstance(config, dict)
     config["environment"] = environment() | {"dtype": str(target.dtype).removeprefix("torch."),
                                              "backend": target.backend}
+    # the exact command, so every committed table names what reproduces it
+    from hydra.core.hydra_config import HydraConfig
+
+    if HydraConfig.initialized():
+        config["overrides"] = list(HydraConfig.get().overrides.task)
+    config["command"] = " ".join(["python -m specdec.run", *sys.argv[1:]])
     logger = build(cfg.logger)
     logger.start(config, out_dir)
     failures: dict[str, str] = {}
