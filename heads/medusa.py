@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from specdec.errors import SpecdecError
-from specdec.models.loader import LoadedModel
+from specdec.models.loader import LoadedModel, check_trained_for
 
 WEIGHTS_FILE = "medusa.safetensors"
 CONFIG_FILE = "medusa.json"
@@ -173,13 +173,12 @@ def new_config(target: LoadedModel, num_heads: int = 4, num_layers: int = 1, pro
 
 
 def check_match(cfg: MedusaConfig, target: LoadedModel, where: str) -> None:
-    w = output_weight(target)
-    mine = (target.name, fingerprint(w), w.shape[1], w.shape[0])
-    theirs = (cfg.base_model, cfg.base_fingerprint, cfg.hidden_size, cfg.vocab_size)
-    if mine != theirs:
-        raise SpecdecError(f"Medusa heads in {where} were trained for {cfg.base_model} (hidden {cfg.hidden_size}, "
-                           f"vocab {cfg.vocab_size}), not for the target {target.name} (hidden {w.shape[1]}, vocab "
-                           f"{w.shape[0]}); train heads for this model or point strategy.heads.path at matching ones")
+    check_trained_for({"base_model": cfg.base_model, "hidden_size": cfg.hidden_size, "vocab_size": cfg.vocab_size},
+                      target, f"Medusa heads in {where}")
+    if fingerprint(output_weight(target)) != cfg.base_fingerprint:
+        raise SpecdecError(f"Medusa heads in {where} were trained for {cfg.base_model} with other weights than this "
+                           f"{target.name} ({target.folder}); train heads for this checkpoint or load the one "
+                           "they were trained for")
 
 
 def load_heads(target: LoadedModel, path: str | Path) -> MedusaHeads:

@@ -27,6 +27,41 @@ def _tokens(data: Any) -> Iterable[int]:
         yield from (t for t in row if t >= 0)
 
 
+class MedusaLoss(nn.Module):
+    """The module the trainer prepares: heads plus their loss in `forward`, so that distributed training
+    (which synchronises gradients only through forward calls) sees every head's computation."""
+
+    def __init__(self, heads: MedusaHeads) -> None:
+        super().__init__()
+        self.heads = heads
+
+    def forward(self, hidden: Tensor, labels: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """hidden (B, T, dim), labels (B, T) -> per-head cross-entropy, top-1 and top-5 hit rates, each (K,)."""
+        heads = self.heads
+        x = heads.features(hidden.to(heads.proj.dtype))  # (B, T, K, dim)
+        T = labels.shape[1]
+        ce, top1, top5 = [], [], []
+        for k in range(heads.num_heads):
+            # head k at t guesses token t + k + 2, which is labels[t + k + 1]
+            full = labels[:, k + 1:]  # (B, T - k - 1)
+            valid = full != -100
+            feats = x[:, :max(T - k - 1, 0), k][valid]  # (n, dim)
+            target = heads.to_head[full[valid]]  # (n,) rows of the kept vocabulary, -100 if dropped
+            logits = heads.head_logits(feats, k)  # (n, V')
+            kept = target != -100
+            if kept.any():
+                ce.append(F.cross_entropy(logits[kept], target[kept]))
+            else:  # keep every parameter in the graph: distributed training expects a gradient for each
+                ce.append(x[..., k, :].sum() * 0)
+            with torch.no_grad():
+                top = logits.topk(min(5, logits.shape[-1]), dim=-1).indices  # (n, 5)
+                hit = (top == target[:, None]) & kept[:, None]  # dropped tokens can never be hit
+                n = max(len(target), 1)
+                top1.append(hit[:, 0].sum() / n)
+                top5.append(hit.any(-1).sum() / n)
+        return torch.stack(ce), torch.stack(top1), torch.stack(top5)
+
+
 class MedusaTrainable:
     name = "medusa"
     needs_hidden = True
@@ -36,46 +71,27 @@ class MedusaTrainable:
         self.num_heads, self.num_layers, self.projection = num_heads, num_layers, projection
         self.head_vocab, self.decay = head_vocab, decay
 
-    def build(self, target: LoadedModel, data: Any = None) -> MedusaHeads:
+    def build(self, target: LoadedModel, data: Any = None) -> MedusaLoss:
         cfg = new_config(target, self.num_heads, self.num_layers, self.projection, self.head_vocab)
         kept = None
         if cfg.head_vocab is not None:
             if data is None:
                 raise ValueError("a reduced head vocabulary is chosen from the training data; pass data")
             kept = kept_vocab(_tokens(data), cfg.head_vocab, cfg.vocab_size)
-        return MedusaHeads(cfg, output_weight(target), kept)
+        return MedusaLoss(MedusaHeads(cfg, output_weight(target), kept))
 
     def loss(self, module: nn.Module, batch: dict[str, Tensor],
              target_hidden: Tensor | None) -> tuple[Tensor, dict[str, float]]:
-        assert isinstance(module, MedusaHeads) and target_hidden is not None
-        labels = batch["labels"].to(target_hidden.device)  # (B, T): token after each input position
-        x = module.features(target_hidden.to(module.proj.dtype))  # (B, T, K, dim)
-        T = labels.shape[1]
-        total = x.new_zeros(())
-        metrics: dict[str, float] = {}
-        for k in range(module.num_heads):
-            if k + 1 >= T:
-                break
-            # head k at t guesses token t + k + 2, which is labels[t + k + 1]
-            full = labels[:, k + 1:]  # (B, T - k - 1)
-            valid = full != -100
-            if not valid.any():
-                continue
-            feats = x[:, :T - k - 1, k][valid]  # (n, dim)
-            target = module.to_head[full[valid]]  # (n,) rows of the kept vocabulary, -100 if dropped
-            logits = module.head_logits(feats, k)  # (n, V')
-            kept = target != -100
-            ce = F.cross_entropy(logits[kept], target[kept]) if kept.any() else logits.sum() * 0
-            total = total + self.decay ** k * ce
-            with torch.no_grad():
-                top = logits.topk(min(5, logits.shape[-1]), dim=-1).indices  # (n, 5)
-                hit = (top == target[:, None]) & kept[:, None]  # dropped tokens can never be hit
-                metrics[f"loss_{k}"] = float(ce)
-                metrics[f"top1_{k}"] = float(hit[:, 0].float().mean())
-                metrics[f"top5_{k}"] = float(hit.any(-1).float().mean())
-        metrics["loss"] = float(total.detach())
+        assert target_hidden is not None
+        ce, top1, top5 = module(target_hidden, batch["labels"].to(target_hidden.device))
+        weights = self.decay ** torch.arange(len(ce), device=ce.device, dtype=ce.dtype)
+        total = (weights * ce).sum()
+        metrics = {"loss": float(total.detach())}
+        for k in range(len(ce)):
+            metrics |= {f"loss_{k}": float(ce[k].detach()), f"top1_{k}": float(top1[k]),
+                        f"top5_{k}": float(top5[k])}
         return total, metrics
 
     def save(self, module: nn.Module, out_dir: Path, meta: dict[str, Any]) -> None:
-        assert isinstance(module, MedusaHeads)
-        module.save(out_dir, meta | {"decay": self.decay})
+        assert isinstance(module, MedusaLoss)
+        module.heads.save(out_dir, meta | {"decay": self.decay})

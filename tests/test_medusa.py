@@ -24,7 +24,7 @@ from specdec.cli_checks import CONFIG_DIR
 from specdec.engine.engine import StaticEngine
 from specdec.engine.sampling import SamplingParams
 from specdec.errors import SpecdecError
-from specdec.models.loader import LoadedModel
+from specdec.models.loader import LoadedModel, load_model
 from specdec.strategies.base import DecodeState, GenerationParams, TurnResult
 from specdec.strategies.greedy import Greedy
 from specdec.strategies.medusa import Medusa, MedusaProposer, chain_tree, load_tree
@@ -132,6 +132,9 @@ def test_heads_of_another_model_are_refused(tiny_target: LoadedModel, load_tiny,
     with pytest.raises(SpecdecError, match="trained for tiny-llama") as err:
         load_heads(other, tmp_path / "m")
     assert "\n" not in str(err.value)
+    wide = load_model("tiny-wide", "builtin:tiny-llama", matmul="torch", tiny={"hidden_size": 32})
+    with pytest.raises(SpecdecError, match="hidden size 64"):
+        load_heads(wide, tmp_path / "m")
     with pytest.raises(SpecdecError, match="no Medusa heads"):
         load_heads(tiny_target, tmp_path / "missing")
     (tmp_path / "m" / CONFIG_FILE).write_text("{oops")
@@ -312,18 +315,19 @@ def test_short_training_lowers_the_loss(tiny_target: LoadedModel) -> None:
     batch, hidden = _distill_batch(tiny_target, 6, 24)
     data = type("Data", (), {"column_names": ["labels"], "__getitem__": lambda s, k: batch["labels"].tolist()})()
     trainable = MedusaTrainable(num_heads=3, num_layers=1, head_vocab=256)
-    heads = trainable.build(tiny_target, data)
+    module = trainable.build(tiny_target, data)
+    heads = module.heads
     kept = set(heads.kept_ids.tolist())
     assert set(batch["labels"][batch["labels"] >= 0].tolist()) <= kept  # every label is in the kept vocabulary
-    opt = torch.optim.AdamW([p for p in heads.parameters() if p.requires_grad], lr=3e-3)
-    first, metrics = trainable.loss(heads, batch, hidden)
+    opt = torch.optim.AdamW([p for p in module.parameters() if p.requires_grad], lr=3e-3)
+    first, metrics = trainable.loss(module, batch, hidden)
     assert {"loss", "loss_0", "top1_0", "top5_2"} <= set(metrics)
     for _ in range(60):
-        loss, metrics = trainable.loss(heads, batch, hidden)
+        loss, metrics = trainable.loss(module, batch, hidden)
         opt.zero_grad()
         loss.backward()
         opt.step()
-    assert metrics["loss"] < 0.7 * float(first)
+    assert metrics["loss"] < 0.7 * float(first.detach())
     assert metrics["top1_0"] > 0.3
 
 
@@ -401,3 +405,29 @@ def test_tune_writes_a_tree_the_strategy_loads(tiny_target: LoadedModel, tmp_pat
     medusa = Medusa(tiny_target, max_len=256, heads=medusa_heads(tiny_target, num_heads=3, seed=4), tree=str(out))
     assert medusa.generate(PROMPTS[0], GenerationParams(16), 0).output_ids == _greedy_outputs(
         tiny_target, PROMPTS[:1], 16)[0]
+
+
+def test_heads_train_entry_trains_and_ships_medusa_heads(tmp_path: Path, tiny_target: LoadedModel) -> None:
+    from hydra import compose, initialize_config_dir
+
+    from heads.train import train
+
+    out = tmp_path / "medusa"
+    with initialize_config_dir(str(CONFIG_DIR), version_base=None):
+        cfg = compose("train", overrides=[
+            "model=tiny-llama", "head=medusa", f"output_dir={out}", f"data.cache_dir={tmp_path / 'data'}",
+            "data.per_category=1", "data.seeds=[1]", "data.max_new_tokens=24", "data.batch_size=4",
+            "train.batch_size=2", "train.seq_len=96", "train.torch_threads=1", "train.log_every=100",
+            "train.val_fraction=0", "train.max_steps=40", "train.lr=1e-2", "train.warmup_steps=0",
+            "head.num_heads=3", "head.head_vocab=128"])
+    meta = train(cfg)
+    assert meta["steps"] == 40 and meta["last_loss"] < 0.7 * meta["first_loss"]
+    heads = load_heads(tiny_target, out)
+    assert heads.num_heads == 3 and len(heads.kept_ids) == 128
+    scfg = OmegaConf.load(CONFIG_DIR / "strategy" / "medusa.yaml")
+    scfg.heads.path = str(out)
+    from hydra.utils import instantiate
+
+    medusa = instantiate(scfg)(target=tiny_target, max_len=256, prefill_chunk=64)
+    assert medusa.generate(PROMPTS[1], GenerationParams(24), 0).output_ids == _greedy_outputs(
+        tiny_target, PROMPTS[1:2], 24)[0]
