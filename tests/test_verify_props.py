@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from scipy.stats import chisquare
 from torch import Tensor
@@ -34,7 +34,9 @@ def greedy_draft(data: st.DataObject, parents: list[int], vocab: int, seed: int)
     best = logits.argmax(-1).tolist()
     tokens = []
     for p in parents:
-        if data.draw(st.booleans()):
+        # two in three agree, and the simplest draw agrees: hypothesis favours simple draws, and
+        # all-disagreeing drafts would never exercise a partial acceptance
+        if data.draw(st.integers(0, 2)) < 2:
             tokens.append(best[p])
         else:
             tokens.append(data.draw(st.sampled_from([t for t in range(vocab) if t != best[p]])))
@@ -49,6 +51,7 @@ def check_structure(verdict: Verdict, proposal: Proposal) -> None:
     assert verdict.tokens[:-1] == [int(proposal.tokens[n - 1]) for n in verdict.nodes]
 
 
+@settings(max_examples=150)  # pure tensor work, about a millisecond an example
 @given(data=st.data(), parents=trees, vocab=st.integers(2, 6), seed=st.integers(0, 10_000))
 def test_greedy_accepts_the_longest_agreeing_path(data: st.DataObject, parents: list[int], vocab: int,
                                                    seed: int) -> None:
@@ -68,6 +71,7 @@ def test_greedy_accepts_the_longest_agreeing_path(data: st.DataObject, parents: 
     assert verdict.tokens[-1] == best[last]
 
 
+@settings(max_examples=100)
 @given(data=st.data(), parents=chains, vocab=st.integers(2, 6), seed=st.integers(0, 10_000))
 def test_greedy_chain_keeps_the_agreeing_prefix(data: st.DataObject, parents: list[int], vocab: int,
                                                 seed: int) -> None:
