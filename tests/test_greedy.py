@@ -7,6 +7,7 @@ from collections.abc import Callable
 import pytest
 
 from specdec.engine.sampling import SamplingParams
+from specdec.errors import SpecdecError
 from specdec.models.loader import LoadedModel
 from specdec.strategies.base import GenerationParams, TurnResult
 from specdec.strategies.greedy import Greedy
@@ -104,3 +105,15 @@ def test_hf_generate_sampling_is_reproducible(tiny_target: LoadedModel) -> None:
     first = hf.generate(prompt, params, 5).output_ids
     assert hf.generate(prompt, params, 5).output_ids == first
     assert any(hf.generate(prompt, params, s).output_ids != first for s in (6, 7))
+
+
+def test_turn_that_outgrows_the_cache_fails_cleanly(tiny_target: LoadedModel) -> None:
+    prompt = prompts(tiny_target)[2]
+    greedy = Greedy(tiny_target, "greedy", max_len=len(prompt) + 5)
+    with pytest.raises(SpecdecError, match="KV cache overflow") as err:
+        greedy.generate(prompt, GenerationParams(10), 0)
+    assert "\n" not in str(err.value)
+    # the next turn starts from a fresh prefill: the failed one leaves nothing behind
+    short = prompt[-8:]
+    res = greedy.generate(short, GenerationParams(4), 0)
+    assert res.output_ids == Greedy(tiny_target, "greedy").generate(short, GenerationParams(4), 0).output_ids
