@@ -3,8 +3,8 @@ the target's own greedy continuations, generated in left-padded batches with tra
 
 The result is a `datasets.Dataset` with `input_ids` (prompt + continuation), `labels` (the next
 token at every position, -100 over the prompt and the last position) and `prompt_len`, cached with
-`save_to_disk` under SPECDEC_CACHE/distill/KEY. Generation saves each chunk as it goes, so an
-interrupted run resumes where it stopped.
+`save_to_disk` in chunks under SPECDEC_CACHE/distill/MODEL-KEY/. Each chunk is saved as soon as it
+is generated, so an interrupted run resumes where it stopped, and a time budget bounds the whole.
 """
 
 from __future__ import annotations
@@ -86,45 +86,58 @@ def to_example(prompt: list[int], continuation: list[int]) -> dict[str, Any]:
     return {"input_ids": seq, "labels": labels, "prompt_len": len(prompt)}
 
 
-def _key(target: LoadedModel, prompts: list[str], max_new_tokens: int) -> str:
+def _key(target: LoadedModel, prompts: list[str], max_new_tokens: int, chunk: int) -> str:
     spec = {"v": VERSION, "model": target.folder.name, "dtype": str(target.dtype), "backend": target.backend,
-            "max_new_tokens": max_new_tokens, "prompts": hashlib.sha256("\0".join(prompts).encode()).hexdigest()}
+            "max_new_tokens": max_new_tokens, "chunk": chunk,
+            "prompts": hashlib.sha256("\0".join(prompts).encode()).hexdigest()}
     return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:12]
 
 
 def build_distill_dataset(target: LoadedModel, per_category: int = 70, seeds: tuple[int, ...] = (1, 2, 3),
                           exclude_per_category: int = 20, exclude_seed: int = 0, max_prompts: int | None = None,
-                          max_new_tokens: int = 192, batch_size: int = 16, chunk_batches: int = 4,
-                          cache_dir: str | None = None, log: Any = print) -> Any:
-    """The distillation set for `target` (cached); see the module docstring."""
+                          max_new_tokens: int = 128, batch_size: int = 32, chunk_batches: int = 1,
+                          max_minutes: float | None = None, cache_dir: str | None = None, log: Any = print) -> Any:
+    """The distillation set for `target`; see the module docstring.
+
+    Prompts are generated chunk by chunk (chunk_batches batches), each chunk saved with save_to_disk
+    as soon as it is done. `max_minutes` caps the generation time summed over every run with these
+    settings: once spent, the chunks done so far are the dataset, so reruns see the same data; raising
+    it later generates more.
+    """
     import datasets
 
     prompts = distill_prompts(per_category, list(seeds), exclude_per_category, exclude_seed, max_prompts)
     if not prompts:
         raise SpecdecError("no distillation prompts left after excluding the benchmark; raise data.per_category")
     root = Path(cache_dir).expanduser() if cache_dir else cache_root() / "distill"
-    final = root / f"{target.name}-{_key(target, prompts, max_new_tokens)}"
-    if (final / "dataset_info.json").is_file():
-        return datasets.load_from_disk(str(final))
-    partial = final.with_name(final.name + ".partial")
-    partial.mkdir(parents=True, exist_ok=True)
-    ids = [target.chat_ids([{"role": "user", "content": p}]) for p in prompts]
+    folder = root / f"{target.name}-{_key(target, prompts, max_new_tokens, batch_size * chunk_batches)}"
+    folder.mkdir(parents=True, exist_ok=True)
+    progress_file = folder / "progress.json"
+    spent = json.loads(progress_file.read_text())["seconds"] if progress_file.is_file() else 0.0
+    budget = float("inf") if max_minutes is None else max_minutes * 60
+    ids: list[list[int]] | None = None
     chunk = batch_size * chunk_batches
     parts = []
-    start = time.perf_counter()
-    for c, s in enumerate(range(0, len(ids), chunk)):
-        part = partial / f"chunk-{c:04d}"
+    for c, s in enumerate(range(0, len(prompts), chunk)):
+        part = folder / f"chunk-{c:04d}"
         if not (part / "dataset_info.json").is_file():
+            if spent >= budget:
+                log(f"distill: generation budget of {max_minutes} min spent; training on {s} of {len(prompts)} "
+                    "prompts (raise data.max_minutes for more)")
+                break
+            ids = ids or [target.chat_ids([{"role": "user", "content": p}]) for p in prompts]
+            start = time.perf_counter()
             conts = greedy_continuations(target, ids[s:s + chunk], max_new_tokens, batch_size)
             rows = [to_example(p, q) for p, q in zip(ids[s:s + chunk], conts)]
-            datasets.Dataset.from_list(rows).save_to_disk(str(part))
-            done = min(s + chunk, len(ids))
-            log(f"distill: {done}/{len(ids)} prompts, {time.perf_counter() - start:.0f}s")
+            tmp = folder / f".tmp-{part.name}"
+            shutil.rmtree(tmp, ignore_errors=True)
+            datasets.Dataset.from_list(rows).save_to_disk(str(tmp))
+            tmp.rename(part)
+            spent += time.perf_counter() - start
+            progress_file.write_text(json.dumps({"seconds": spent}))
+            log(f"distill: {min(s + chunk, len(prompts))}/{len(prompts)} prompts, {spent / 60:.1f} min")
         parts.append(datasets.load_from_disk(str(part)))
-    data = datasets.concatenate_datasets(parts)
-    tmp = final.with_name(final.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    data.save_to_disk(str(tmp))
-    tmp.rename(final)
-    shutil.rmtree(partial, ignore_errors=True)
-    return datasets.load_from_disk(str(final))
+    if not parts:
+        raise SpecdecError(f"no distillation data in {folder} and data.max_minutes={max_minutes} leaves no time to "
+                           "generate any; raise data.max_minutes")
+    return datasets.concatenate_datasets(parts)

@@ -118,3 +118,18 @@ def test_heads_reading_hidden_states_get_them_cached(tmp_path: Path, data_dir: P
     meta = train(config(tmp_path / "kl", data_dir, "train.max_steps=3", "head.kl_weight=0.5"))
     assert meta["steps"] == 3
     assert any(p.name.startswith("hidden-") for p in data_dir.rglob("*.arrow"))
+
+
+def test_generation_budget_is_kept_across_reruns(tmp_path: Path, tiny_target: LoadedModel) -> None:
+    from heads.distill_data import build_distill_dataset
+
+    def build(minutes: float | None) -> list[list[int]]:
+        data = build_distill_dataset(tiny_target, per_category=1, seeds=(1,), max_new_tokens=4, batch_size=2,
+                                     chunk_batches=1, max_minutes=minutes, cache_dir=str(tmp_path), log=lambda s: None)
+        return list(data["input_ids"])
+
+    first = build(1e-6)  # the budget runs out after the first chunk
+    assert len(first) == 2
+    assert build(1e-6) == first  # a rerun sees the same data: the budget is cumulative
+    everything = build(None)
+    assert len(everything) > 2 and everything[:2] == first
