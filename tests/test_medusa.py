@@ -431,3 +431,15 @@ def test_heads_train_entry_trains_and_ships_medusa_heads(tmp_path: Path, tiny_ta
     medusa = instantiate(scfg)(target=tiny_target, max_len=256, prefill_chunk=64)
     assert medusa.generate(PROMPTS[1], GenerationParams(24), 0).output_ids == _greedy_outputs(
         tiny_target, PROMPTS[1:2], 24)[0]
+
+
+def test_trees_need_the_compact_engine_chains_do_not(load_tiny) -> None:
+    hf = load_tiny("llama", backend="hf")
+    heads = medusa_heads(hf, num_heads=3, seed=6)
+    with pytest.raises(SpecdecError, match="strategy.tree=chain"):
+        Medusa(hf, max_len=128, heads=heads, tree="default")
+    compact = load_tiny("llama")
+    prompt = random_ids(8, VOCAB, seed=70)
+    want = Greedy(compact, "greedy", max_len=128).generate(prompt, GenerationParams(20), 0).output_ids
+    chain = Medusa(hf, max_len=128, heads=heads, tree="chain")
+    assert chain.generate(prompt, GenerationParams(20), 0).output_ids == want

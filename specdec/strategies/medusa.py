@@ -24,6 +24,7 @@ from torch import Tensor
 from specdec.engine.engine import ForwardOut
 from specdec.errors import SpecdecError
 from specdec.models.loader import LoadedModel
+from specdec.resolvers import REPO_ROOT
 from specdec.strategies.base import DecodeState, SpeculativeStrategy
 from specdec.trees import paths_to_parents
 from specdec.verify import Proposal, Verdict, verify_typical
@@ -75,6 +76,8 @@ def load_tree(spec: str | Sequence[Sequence[int]], num_heads: int) -> list[tuple
 
 
 def _read_tree_file(path: Path) -> Any:
+    if not path.is_absolute() and not path.is_file() and (REPO_ROOT / path).is_file():
+        path = REPO_ROOT / path  # trees written by the tuner live in the repository
     if not path.is_file():
         raise SpecdecError(f"tree file {path} not found; use strategy.tree=default, chain, a file written by "
                            "python -m heads.tree_tuning, or a list of rank paths")
@@ -134,6 +137,10 @@ class Medusa(SpeculativeStrategy):
         if not (0 < epsilon <= 1 and delta > 0):
             raise SpecdecError(f"typical acceptance needs 0 < epsilon <= 1 and delta > 0, got {epsilon}, {delta}")
         self.paths = load_tree(tree, self.heads.num_heads)
+        is_chain = sorted(self.paths) == chain_tree(max(map(len, self.paths)))
+        if not is_chain and not getattr(self.engine, "supports_trees", False):
+            raise SpecdecError(f"Medusa trees need the compact model but {target.name} runs through transformers; "
+                               "use strategy.tree=chain")
         self.acceptance, self.epsilon, self.delta = acceptance, epsilon, delta
 
     def make_proposer(self) -> MedusaProposer:
