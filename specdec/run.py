@@ -257,9 +257,10 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     # the exact command, so every committed table names what reproduces it
     from hydra.core.hydra_config import HydraConfig
 
-    if HydraConfig.initialized():
-        config["overrides"] = list(HydraConfig.get().overrides.task)
-    config["command"] = " ".join(["python -m specdec.run", *sys.argv[1:]])
+    args = sys.argv[1:]
+    if HydraConfig.initialized():  # per job in a multirun, unlike argv
+        args = config["overrides"] = list(HydraConfig.get().overrides.task)
+    config["command"] = " ".join(["python -m specdec.run", *args])
     logger = build(cfg.logger)
     logger.start(config, out_dir)
     failures: dict[str, str] = {}
