@@ -100,6 +100,8 @@ class MedusaProposer:
         self.width = 1 + max(k[-1] for k in keys)  # top-k needed from every head
         self.head_of = torch.tensor([len(k) - 1 for k in keys])  # (N,) depth - 1 = the head that fills it
         self.rank_of = torch.tensor([k[-1] for k in keys])  # (N,)
+        depth = [len(k) for k in keys]
+        self.up_to = [sum(d <= m for d in depth) for m in range(max(depth) + 1)]  # nodes of depth <= m
         self.room = room
         self.hidden: Tensor | None = None  # (dim,)
 
@@ -115,7 +117,9 @@ class MedusaProposer:
         top = self.candidates(state).cpu()
         tokens = top[self.head_of, self.rank_of]  # (N,)
         # Nodes are in (depth, rank) order with parents first, so any prefix is still a tree.
-        n = min(len(tokens), self.room())
+        # Past the token budget deeper nodes could never be kept: leave them out.
+        useful = state.params.max_new_tokens - state.output_len - 1
+        n = min(self.up_to[min(max(useful, 0), len(self.up_to) - 1)], self.room())
         if n <= 0:
             return None
         return Proposal(tokens[:n], self.parents[:n])
