@@ -138,6 +138,15 @@ def test_cost_aware_schedule() -> None:
     assert calib.cost == pytest.approx(0.05, rel=0.1)  # measured draft/target time ratio
 
 
+def test_cost_aware_measures_verification_cost() -> None:
+    sched = CostAware(cost_ratio=1.0, verify_cost=0.0, momentum=0.1)
+    for i in range(300):  # target pass: 20 ms + 4 ms per verified token; draft: 2.4 ms per token
+        k = 1 + i % 6
+        sched.update(k, 0, [0.5] * k, 0.0024 * k, 0.020 + 0.004 * (k + 1))
+    assert sched.verify_cost == pytest.approx(0.004 / 0.024, rel=0.05)
+    assert sched.cost == pytest.approx(0.0024 / 0.024, rel=0.05)
+
+
 @pytest.mark.parametrize("schedule", ["draft_heuristic", "draft_confidence", "draft_cost_aware"])
 def test_adaptive_schedules_stay_lossless(target: LoadedModel, wrong_draft: LoadedModel, schedule: str) -> None:
     cfg = OmegaConf.load(CONFIG_DIR / "strategy" / f"{schedule}.yaml")

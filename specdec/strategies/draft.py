@@ -185,32 +185,35 @@ class Confidence(DraftSchedule):
 class CostAware(DraftSchedule):
     """Draft one more token only while its expected return beats its cost.
 
-    A round that drafts k tokens costs 1 + k (c + v) target-step units (c: one draft step over one
-    target step, measured; v: the extra verification cost of one more token in the target pass) and
-    yields 1 + accepted tokens. Drafting token k+1 adds P(tokens 1..k+1 all accepted) tokens in
-    expectation and c + v cost, so it pays iff that probability exceeds R (c + v), R being the rate
-    achieved so far in tokens per unit (Dinkelbach's ratio argument, applied myopically).
+    A round that drafts k tokens costs 1 + k (c + v) units of a one-token target step (c: a draft
+    step; v: what one more token adds to the target's verification pass, far from free on a CPU)
+    and yields 1 + accepted tokens. Drafting token k+1 adds P(tokens 1..k+1 all accepted) tokens in
+    expectation for c + v more cost, so it pays iff that probability exceeds R (c + v), R being the
+    rate achieved so far in tokens per unit (Dinkelbach's ratio argument, applied myopically).
 
-    P comes from the draft's confidences through an online calibration table (confidence bin ->
-    accepted fraction, with the confidence itself as prior), so an over- or under-confident draft
-    is corrected by what the target actually accepts; the next token's odds are predicted from the
-    current token's (confidence is strongly autocorrelated along a chain).
+    All three are measured online: P from the draft's confidences through a calibration table
+    (confidence bin -> accepted fraction, the confidence itself as prior), so an over- or
+    under-confident draft is corrected by what the target accepts, the next token's odds being
+    predicted from the current token's (confidence is autocorrelated along a chain); c and v from a
+    running linear fit of the target pass's time against the tokens it verified, and the draft's
+    time per token. `cost_ratio` and `verify_cost` are only the starting guesses.
     """
 
-    def __init__(self, max_gamma: int = 12, cost_ratio: float = 0.1, verify_cost: float = 0.02,
+    def __init__(self, max_gamma: int = 12, cost_ratio: float = 0.1, verify_cost: float = 0.05,
                  bins: int = 10, prior_weight: float = 4.0, momentum: float = 0.05) -> None:
         if max_gamma < 1 or cost_ratio < 0 or verify_cost < 0 or bins < 1 or not 0 < momentum <= 1:
             raise SpecdecError("strategy.schedule: max_gamma >= 1, cost_ratio >= 0, verify_cost >= 0, bins >= 1 "
                                "and momentum in (0, 1] are required")
         self.max_gamma = max_gamma
-        self.cost = cost_ratio  # c, re-estimated from timings
-        self.verify_cost = verify_cost
+        self.cost = cost_ratio  # c
+        self.verify_cost = verify_cost  # v
         self.momentum = momentum
         centers = (torch.arange(bins, dtype=torch.float64) + 0.5) / bins
         self.hits = centers * prior_weight  # (bins,)
         self.tries = torch.full((bins,), prior_weight, dtype=torch.float64)
-        self.rate = 1.0  # R: tokens per target-step unit, autoregressive to start with
+        self.rate = 1.0  # R: tokens per unit, autoregressive to start with
         self._chain = 1.0
+        self._moments: list[float] | None = None  # running E[n], E[t], E[n^2], E[n t] of target passes
 
     def accept_prob(self, confidence: float) -> float:
         b = min(int(confidence * len(self.tries)), len(self.tries) - 1)
@@ -233,9 +236,26 @@ class CostAware(DraftSchedule):
             self.hits[b] += float(i < accepted)
         m = self.momentum
         if drafted and target_s > 0:
-            self.cost = (1 - m) * self.cost + m * (draft_s / drafted) / target_s
+            step = self._one_token_step(drafted + 1, target_s)
+            self.cost = (1 - m) * self.cost + m * (draft_s / drafted) / step
         units = 1 + drafted * (self.cost + self.verify_cost)
         self.rate = (1 - m) * self.rate + m * (1 + accepted) / units
+
+    def _one_token_step(self, n: int, t: float) -> float:
+        """Fit t = a + b n over recent target passes (n tokens verified); update v = b / (a + b) and
+        return the one-token step time a + b (from the prior v while n has not varied enough)."""
+        m = self.momentum
+        x = [n, t, n * n, n * t]
+        self._moments = x if self._moments is None else [(1 - m) * u + m * w for u, w in zip(self._moments, x)]
+        mn, mt, mnn, mnt = self._moments
+        var = mnn - mn * mn
+        if var > 0.25:  # lengths vary by about a token or more: the slope is identifiable
+            slope = max(0.0, (mnt - mn * mt) / var)
+            step = mt - slope * (mn - 1)
+            if step > 0:
+                self.verify_cost = min(1.0, slope / step)
+                return step
+        return t / (1 + self.verify_cost * (n - 1))
 
 
 # --------------------------------------------------------------------------------------------------
