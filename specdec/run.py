@@ -253,7 +253,8 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     config = OmegaConf.to_container(cfg, resolve=True)
     assert isinstance(config, dict)
     config["environment"] = environment() | {"dtype": str(target.dtype).removeprefix("torch."),
-                                             "backend": target.backend}
+                                             "backend": target.backend,
+                                             "matmul": "numpy" if target.torch_threads == 1 else "torch"}
     # the exact command, so every committed table names what reproduces it
     from hydra.core.hydra_config import HydraConfig
 

@@ -9,6 +9,8 @@ OpenMP workers fight OpenBLAS for the two cores (see `LoadedModel.torch_threads`
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import torch
 from torch import Tensor, nn
@@ -38,3 +40,48 @@ def use_numpy_linears(module: nn.Module) -> int:
         else:
             swapped += use_numpy_linears(child)
     return swapped
+
+
+def use_torch_linears(module: nn.Module) -> None:
+    """Undo use_numpy_linears (rebuilding nn.Linear from the transposed copies)."""
+    for name, child in module.named_children():
+        if isinstance(child, NumpyLinear):
+            w = torch.from_numpy(child.weight_t).t().contiguous()
+            lin = nn.Linear(w.shape[1], w.shape[0], bias=child.bias is not None, device="meta")
+            lin.weight = nn.Parameter(w, requires_grad=False)
+            if child.bias is not None:
+                lin.bias = nn.Parameter(child.bias, requires_grad=False)
+            setattr(module, name, lin)
+        else:
+            use_torch_linears(child)
+
+
+def _decode_time(model: nn.Module, threads: int, steps: int) -> float:
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        cache = model.new_cache(steps + 1)  # type: ignore[operator]
+        tok = torch.zeros(1, 1, dtype=torch.long, device=model.device)  # type: ignore[arg-type]
+        with torch.inference_mode():
+            model(tok, torch.zeros_like(tok), cache)  # warm-up: first touches of buffers
+            start = time.perf_counter()
+            for i in range(steps):
+                model(tok, torch.full_like(tok, i + 1), cache)
+            return time.perf_counter() - start
+    finally:
+        torch.set_num_threads(before)
+
+
+def pick_faster_linears(model: nn.Module, steps: int = 6) -> bool:
+    """Time single-token decode steps with torch's GEMV and with NumPy's; keep NumPy only if faster.
+
+    Measured rather than assumed: OpenBLAS's two threads win on an idle 2-core machine but lose
+    badly when another process holds a core, and other CPUs and BLAS builds differ again.
+    """
+    t_torch = _decode_time(model, torch.get_num_threads(), steps)
+    use_numpy_linears(model)
+    t_numpy = _decode_time(model, 1, steps)
+    if t_numpy < 0.95 * t_torch:
+        return True
+    use_torch_linears(model)
+    return False

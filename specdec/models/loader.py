@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from specdec.errors import SpecdecError
-from specdec.models.cpu_linear import use_numpy_linears
+from specdec.models.cpu_linear import pick_faster_linears, use_numpy_linears
 from specdec.models.gguf import cached_gguf_folder
 from specdec.models.llama import SUPPORTED_TYPES, Llama, LlamaArgs
 from specdec.models.smollm2 import smollm2_folder
@@ -174,8 +174,10 @@ def load_model(name: str, path: str, backend: str = "compact", dtype: str = "fp3
         model.eval().requires_grad_(False)
         if matmul not in ("auto", "torch", "numpy"):
             raise SpecdecError(f"unknown model.matmul {matmul!r}; use auto, torch or numpy")
-        if matmul == "numpy" or (matmul == "auto" and dev.type == "cpu" and dt == torch.float32):
+        if matmul == "numpy":
             use_numpy_linears(model)
+            threads = 1
+        elif matmul == "auto" and dev.type == "cpu" and dt == torch.float32 and pick_faster_linears(model):
             threads = 1
     else:
         model = AutoModelForCausalLM.from_pretrained(folder, dtype=dt, use_safetensors=True,
