@@ -355,6 +355,8 @@ def train(cfg: DictConfig) -> dict[str, Any]:
                                               collate_fn=lambda rows: collate(rows, int(t.seq_len), pad)))
 
     budget_s = float(t.max_minutes) * 60
+    per_epoch = math.ceil(len(LengthBatches(lengths, int(t.batch_size), 0, 0)) / accelerator.num_processes)
+    planned_steps = max(1, int(t.epochs) * per_epoch)  # the learning rate decays over what comes first
     max_steps = int(t.max_steps) if t.max_steps else None
     clock = time.perf_counter() - state.elapsed_s
     last_save = time.perf_counter()
@@ -364,7 +366,8 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         sampler = LengthBatches(lengths, int(t.batch_size), int(t.seed), state.epoch, skip=state.batch_in_epoch)
         for batch in batches(train_data, sampler):
             elapsed = time.perf_counter() - clock
-            progress = max(elapsed / budget_s, state.step / max_steps if max_steps else 0.0)
+            progress = max(elapsed / budget_s, state.step / max_steps if max_steps else 0.0,
+                           state.step / planned_steps)
             lr = lr_at(state.step, progress, float(t.lr), int(t.warmup_steps), float(t.min_lr_ratio))
             for group in optimizer.param_groups:
                 group["lr"] = lr
