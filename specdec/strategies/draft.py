@@ -199,7 +199,7 @@ class CostAware(DraftSchedule):
     time per token. `cost_ratio` and `verify_cost` are only the starting guesses.
     """
 
-    def __init__(self, max_gamma: int = 12, cost_ratio: float = 0.1, verify_cost: float = 0.05,
+    def __init__(self, max_gamma: int = 12, cost_ratio: float = 0.1, verify_cost: float = 0.1,
                  bins: int = 10, prior_weight: float = 4.0, momentum: float = 0.05) -> None:
         if max_gamma < 1 or cost_ratio < 0 or verify_cost < 0 or bins < 1 or not 0 < momentum <= 1:
             raise SpecdecError("strategy.schedule: max_gamma >= 1, cost_ratio >= 0, verify_cost >= 0, bins >= 1 "
