@@ -355,19 +355,20 @@ def train(cfg: DictConfig) -> dict[str, Any]:
                                               collate_fn=lambda rows: collate(rows, int(t.seq_len), pad)))
 
     budget_s = float(t.max_minutes) * 60
-    per_epoch = math.ceil(len(LengthBatches(lengths, int(t.batch_size), 0, 0)) / accelerator.num_processes)
-    planned_steps = max(1, int(t.epochs) * per_epoch)  # the learning rate decays over what comes first
     max_steps = int(t.max_steps) if t.max_steps else None
+    per_epoch = math.ceil(len(LengthBatches(lengths, int(t.batch_size), 0, 0)) / accelerator.num_processes)
+    # max_steps, when set, replaces the epoch count; the learning rate decays over that plan or the time
+    epochs = math.inf if max_steps else int(t.epochs)
+    planned_steps = max_steps or max(1, int(t.epochs) * per_epoch)
     clock = time.perf_counter() - state.elapsed_s
     last_save = time.perf_counter()
     module.train()
-    done = state.epoch >= int(t.epochs)
+    done = state.epoch >= epochs
     while not done:
         sampler = LengthBatches(lengths, int(t.batch_size), int(t.seed), state.epoch, skip=state.batch_in_epoch)
         for batch in batches(train_data, sampler):
             elapsed = time.perf_counter() - clock
-            progress = max(elapsed / budget_s, state.step / max_steps if max_steps else 0.0,
-                           state.step / planned_steps)
+            progress = max(elapsed / budget_s, state.step / planned_steps)
             lr = lr_at(state.step, progress, float(t.lr), int(t.warmup_steps), float(t.min_lr_ratio))
             for group in optimizer.param_groups:
                 group["lr"] = lr
@@ -409,7 +410,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         else:
             state.epoch += 1
             state.batch_in_epoch = 0
-            done = state.epoch >= int(t.epochs)
+            done = state.epoch >= epochs
             accelerator.wait_for_everyone()
             if accelerator.is_main_process:
                 save_checkpoint(out_dir, accelerator.unwrap_model(module), optimizer, state, config_key)
