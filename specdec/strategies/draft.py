@@ -24,7 +24,7 @@ from specdec.engine.engine import Engine, ForwardOut, StaticEngine
 from specdec.engine.kv_cache import KVCache
 from specdec.engine.sampling import sample, warp
 from specdec.errors import SpecdecError
-from specdec.models.loader import LoadedModel
+from specdec.models.loader import LoadedModel, check_same_tokenizer
 from specdec.strategies.base import DecodeState, Proposer, SpeculativeStrategy, make_engine
 from specdec.verify import Proposal, Verdict
 
@@ -58,20 +58,6 @@ class TrainedDraft(Protocol):
     """
 
     def bind(self, target: LoadedModel) -> DraftNet: ...
-
-
-def check_same_tokenizer(target: LoadedModel, draft: LoadedModel) -> None:
-    """Draft and target must agree on every token id, or their proposals mean nothing."""
-    try:
-        from specdec.models.loader import check_same_tokenizer as shared
-    except ImportError:  # older loader without the shared check
-        shared = None
-    if shared is not None:
-        shared(target, draft)
-        return
-    if target.tokenizer.get_vocab() != draft.tokenizer.get_vocab():
-        raise SpecdecError(f"draft {draft.name} and target {target.name} use different tokenizers; "
-                           "pick a draft from the target's model family (same vocabulary)")
 
 
 @dataclass

@@ -124,7 +124,7 @@ class HFAssisted(HFGenerate):
                  num_assistant_tokens_schedule: str = "constant", assistant_confidence_threshold: float = 0.0,
                  torch_threads: int | None = None, max_len: int | None = None,
                  prefill_chunk: int | None = None) -> None:
-        from specdec.strategies.draft import check_same_tokenizer
+        from specdec.models.loader import check_same_tokenizer
 
         super().__init__(target, name, torch_threads=torch_threads)
         if num_assistant_tokens < 1:
