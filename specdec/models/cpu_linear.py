@@ -25,9 +25,20 @@ class NumpyLinear(nn.Module):
         self.out_features = self.weight_t.shape[1]
 
     def forward(self, x: Tensor) -> Tensor:
-        flat = x.reshape(-1, x.shape[-1]).numpy()
-        y = torch.from_numpy(flat @ self.weight_t).view(*x.shape[:-1], self.out_features)  # (..., out)
+        flat = x.reshape(-1, x.shape[-1]).numpy()  # (M, in)
+        rows = flat.shape[0]
+        padded = padded_rows(rows)
+        if padded != rows:  # an 8-row GEMM beats a 3-row one in OpenBLAS; the extra rows are discarded
+            flat = np.concatenate([flat, np.zeros((padded - rows, flat.shape[1]), dtype=flat.dtype)])
+        y = torch.from_numpy((flat @ self.weight_t)[:rows]).view(*x.shape[:-1], self.out_features)  # (..., out)
         return y if self.bias is None else y + self.bias
+
+
+def padded_rows(rows: int) -> int:
+    """Row count to run a GEMM at. Measured on this project's 2-core machines (SmolLM2-135M's
+    matrices, OpenBLAS): 1 row 24 ms, 2-7 rows 48-78 ms, 8 rows 45 ms, 16 rows 61 ms, 24 rows 69 ms,
+    so odd sizes are padded up to the next multiple of 8."""
+    return rows if rows == 1 or rows % 8 == 0 else (rows + 7) // 8 * 8
 
 
 def use_numpy_linears(module: nn.Module) -> int:
