@@ -52,6 +52,15 @@ def continuation(ids: Sequence[int], end: int, k: int) -> list[int]:
     return out
 
 
+def match_length(ids: Sequence[int], index: NGramIndex) -> int:
+    """Length of the longest final n-gram that also occurs earlier (0 if none)."""
+    L = len(ids)
+    for n in range(min(index.n_max, L - 1), index.n_min - 1, -1):
+        if any(end < L for end in index.positions(tuple(ids[L - n:]))):
+            return n
+    return 0
+
+
 def lookup(ids: Sequence[int], index: NGramIndex, k: int, num: int, max_scan: int = 64) -> list[list[int]]:
     """Up to `num` distinct k-token continuations of the sequence's final n-gram, longest n first,
     the most recent occurrence first within each n. `index` must cover all of ids."""

@@ -153,3 +153,28 @@ class HFEngine:
         if keep != list(range(start, start + len(keep))):
             raise SpecdecError("token trees need the compact Llama-family model (model.backend=compact)")
         self.rollback(start + len(keep))
+
+
+def verification_cost(engine: Engine, k: int, context: int = 128, reps: int = 5) -> float:
+    """Measured time of one target pass over k new tokens relative to a pass over one.
+
+    Strategies call this at start-up to decide how much drafting pays on the hardware they run
+    on (on a 2-core CPU a pass over 8 tokens costs ~1.5x one; on a GPU close to 1x).
+    """
+    import time
+
+    ids = [0] * min(context, engine.max_len - k - 1)
+
+    def timed(n: int) -> float:
+        samples = []
+        for _ in range(reps):
+            engine.prefill(ids)
+            start = time.perf_counter()
+            engine.forward(torch.zeros(n, dtype=torch.long))
+            samples.append(time.perf_counter() - start)
+        return sorted(samples)[reps // 2]
+
+    timed(1)  # warm-up
+    ratio = timed(k) / timed(1)
+    engine.reset()
+    return ratio

@@ -11,7 +11,8 @@ from __future__ import annotations
 from specdec.engine.engine import ForwardOut
 from specdec.errors import SpecdecError
 from specdec.models.loader import LoadedModel
-from specdec.ngram import NGramIndex, as_tokens, candidates_to_tree, lookup
+from specdec.engine.engine import verification_cost
+from specdec.ngram import NGramIndex, as_tokens, candidates_to_tree, lookup, match_length
 from specdec.strategies.base import DecodeState, Proposer, SpeculativeStrategy
 from specdec.verify import Proposal, Verdict
 
@@ -22,7 +23,7 @@ class PromptLookupProposer:
     accepted prefix otherwise (copy runs are long or absent, rarely in between)."""
 
     def __init__(self, ngram_min: int, ngram_max: int, num_draft_tokens: int, num_candidates: int,
-                 min_draft_tokens: int, adaptive: bool, max_len: int) -> None:
+                 min_draft_tokens: int, adaptive: bool, max_len: int, min_expected: float = 0.0) -> None:
         self.index = NGramIndex(ngram_min, ngram_max)
         self.max_k = num_draft_tokens
         self.min_k = min(min_draft_tokens, num_draft_tokens)
@@ -31,6 +32,12 @@ class PromptLookupProposer:
         self.max_len = max_len
         self.k = num_draft_tokens
         self._drafted = 0  # depth of the last proposal
+        # Drafting pays only if the tokens it is expected to add exceed the extra cost of verifying
+        # (measured cost ratio - 1). Expected acceptance is learned per match length n, starting
+        # optimistic so every n gets tried.
+        self.min_expected = min_expected
+        self._acc = {n: [1.0, 1] for n in range(ngram_min, ngram_max + 1)}  # n -> [accepted sum, count]
+        self._n = 0
 
     def start(self, state: DecodeState, out: ForwardOut) -> None:
         self.index.extend(state.ids)
@@ -47,14 +54,23 @@ class PromptLookupProposer:
         found = lookup(state.ids, self.index, k, self.num)
         if not found:
             return None
+        n = match_length(state.ids, self.index)
+        total, count = self._acc[n]
+        if total / count <= self.min_expected:
+            return None
+        self._n = n
         self._drafted = k
         tokens, parents = candidates_to_tree(found)
         return Proposal(as_tokens(tokens), parents)
 
     def commit(self, state: DecodeState, verdict: Verdict, out: ForwardOut) -> None:
-        if not self.adaptive or self._drafted == 0:
+        if self._drafted == 0:
             return
         accepted = len(verdict.nodes)
+        self._acc[self._n][0] += accepted
+        self._acc[self._n][1] += 1
+        if not self.adaptive:
+            return
         if accepted == self._drafted:
             self.k = min(self.max_k, 2 * self.k)
         else:
@@ -66,7 +82,8 @@ class PromptLookup(SpeculativeStrategy):
 
     def __init__(self, target: LoadedModel, name: str = "prompt_lookup", max_len: int = 2048,
                  prefill_chunk: int = 512, ngram_max: int = 3, ngram_min: int = 1, num_draft_tokens: int = 8,
-                 num_candidates: int = 1, min_draft_tokens: int = 2, adaptive: bool = True) -> None:
+                 num_candidates: int = 1, min_draft_tokens: int = 2, adaptive: bool = True,
+                 gate: bool = True) -> None:
         if not 1 <= ngram_min <= ngram_max:
             raise SpecdecError(f"prompt_lookup needs 1 <= ngram_min <= ngram_max, got {ngram_min} and {ngram_max}; "
                                "set for example strategy.ngram_min=1 strategy.ngram_max=3")
@@ -84,7 +101,10 @@ class PromptLookup(SpeculativeStrategy):
         self.num_candidates = num_candidates
         self.min_draft_tokens = min_draft_tokens
         self.adaptive = adaptive
+        rows = 1 + num_draft_tokens * num_candidates
+        # the extra cost of a drafting pass, measured once on this hardware (see verification_cost)
+        self.min_expected = verification_cost(self.engine, rows) - 1 if gate else 0.0
 
     def make_proposer(self) -> Proposer:
         return PromptLookupProposer(self.ngram_min, self.ngram_max, self.num_draft_tokens, self.num_candidates,
-                                    self.min_draft_tokens, self.adaptive, self.engine.max_len)
+                                    self.min_draft_tokens, self.adaptive, self.engine.max_len, self.min_expected)
