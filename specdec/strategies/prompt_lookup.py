@@ -8,10 +8,9 @@ are verified together as a small token tree.
 
 from __future__ import annotations
 
-from specdec.engine.engine import ForwardOut
+from specdec.engine.engine import ForwardOut, verification_cost
 from specdec.errors import SpecdecError
 from specdec.models.loader import LoadedModel
-from specdec.engine.engine import verification_cost
 from specdec.ngram import NGramIndex, as_tokens, candidates_to_tree, lookup, match_length
 from specdec.strategies.base import DecodeState, Proposer, SpeculativeStrategy
 from specdec.verify import Proposal, Verdict
