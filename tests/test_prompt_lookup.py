@@ -201,7 +201,8 @@ def test_accepts_drafts_on_a_repeating_target(looping_target: LoadedModel, num_c
     params = GenerationParams(60)
     for ids in prompts(looping_target).values():
         ref = Greedy(looping_target, "greedy", 256).generate(ids, params, 0)
-        res = PromptLookup(looping_target, max_len=256, num_candidates=num_candidates).generate(ids, params, 0)
+        strategy = PromptLookup(looping_target, max_len=256, num_candidates=num_candidates, gate=False)
+        res = strategy.generate(ids, params, 0)
         assert res.output_ids == ref.output_ids
         check_counters(res, 60)
         tau = sum(res.accept_lengths) / len(res.accept_lengths)
@@ -216,7 +217,7 @@ def test_stops_at_eos_and_budget(looping_target: LoadedModel) -> None:
     first = ref.output_ids.index(eos)
     for max_new in (1, 2, 7, 30):
         params = GenerationParams(max_new, eos_ids=(eos,))
-        res = PromptLookup(looping_target, max_len=256).generate(ids, params, 0)
+        res = PromptLookup(looping_target, max_len=256, gate=False).generate(ids, params, 0)
         assert res.output_ids == ref.output_ids[:min(max_new, first + 1)]
         check_counters(res, max_new)
 
@@ -226,7 +227,7 @@ def test_fits_a_cache_that_is_just_large_enough(looping_target: LoadedModel) -> 
     params = GenerationParams(40)
     ref = Greedy(looping_target, "greedy", 256).generate(ids, params, 0)
     tight = len(ids) + 40  # the cache holds everything but the newest token
-    res = PromptLookup(looping_target, max_len=tight, num_candidates=2).generate(ids, params, 0)
+    res = PromptLookup(looping_target, max_len=tight, num_candidates=2, gate=False).generate(ids, params, 0)
     assert res.output_ids == ref.output_ids
 
 
@@ -234,7 +235,7 @@ def test_fits_a_cache_that_is_just_large_enough(looping_target: LoadedModel) -> 
 def test_sampling_is_reproducible(tiny_target: LoadedModel, num_candidates: int) -> None:
     ids = prompts(tiny_target)["repeating"]
     params = GenerationParams(40, SamplingParams(temperature=0.8, top_p=0.95))
-    strategy = PromptLookup(tiny_target, max_len=256, num_candidates=num_candidates)
+    strategy = PromptLookup(tiny_target, max_len=256, num_candidates=num_candidates, gate=False)
     runs = [strategy.generate(ids, params, seed).output_ids for seed in (1, 1, 2)]
     assert runs[0] == runs[1]
     assert len(runs[0]) == 40 and len(runs[2]) == 40
@@ -245,7 +246,7 @@ def test_sampling_at_low_temperature_follows_greedy(looping_target: LoadedModel)
     # with logits this far apart a temperature of 0.05 leaves essentially one token per step
     ids = prompts(looping_target)["pattern"]
     ref = Greedy(looping_target, "greedy", 256).generate(ids, GenerationParams(40), 0)
-    res = PromptLookup(looping_target, max_len=256).generate(
+    res = PromptLookup(looping_target, max_len=256, gate=False).generate(
         ids, GenerationParams(40, SamplingParams(temperature=0.01)), 3)
     assert res.output_ids == ref.output_ids
     assert res.accepted > 0
