@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import torch
+from omegaconf import OmegaConf
 from torch import Tensor
 
+from specdec.cli_checks import CONFIG_DIR
 from specdec.engine.engine import StaticEngine
+from specdec.models.loader import LoadedModel, load_model
+from specdec.strategies.base import TurnResult
 
 
 def chain_forward(model: object, ids: list[int], max_len: int = 256) -> tuple[StaticEngine, Tensor]:
@@ -43,3 +47,42 @@ def assert_cache_matches_fresh(engine: StaticEngine, ids: list[int], atol: float
 def random_ids(n: int, vocab: int, seed: int) -> list[int]:
     gen = torch.Generator().manual_seed(seed)
     return torch.randint(3, vocab, (n,), generator=gen).tolist()
+
+
+# --- shared by the prompt-lookup and lookahead tests ---------------------------------------------
+
+REPEATING_TEXT = "The cat sat on the mat. The cat sat on the mat. The cat sat on the mat. The cat sat on the"
+
+
+def make_looping_target() -> LoadedModel:
+    """A tiny random model with small weights: its greedy output settles into long runs of one token,
+    so copying from the sequence pays off (a stand-in for the loops and quotes of real models)."""
+    cfg = OmegaConf.to_container(OmegaConf.load(CONFIG_DIR / "model" / "tiny-llama.yaml"), resolve=True)
+    assert isinstance(cfg, dict)
+    cfg.pop("_target_")
+    cfg["tiny"] = {**cfg["tiny"], "initializer_range": 0.1}
+    return load_model(**cfg)
+
+
+def prompts(target: LoadedModel) -> dict[str, list[int]]:
+    tok = target.tokenizer
+    return {
+        "repeating": tok(REPEATING_TEXT)["input_ids"],
+        "pattern": [17, 40, 99, 23] * 6,
+        "no_repeats": list(range(3, 40)),
+        "one_token": [42],
+        "chat": target.chat_ids([{"role": "user", "content": "Explain why the sky is blue."}]),
+    }
+
+
+def check_counters(res: TurnResult, max_new: int) -> None:
+    """The turn's accounting: accept lengths, decode steps and per-position counts agree."""
+    assert sum(res.accept_lengths) == len(res.output_ids) <= max_new
+    assert len(res.accept_lengths) == res.decode_steps + 1
+    assert 0 <= res.accepted <= res.proposed
+    assert sum(res.accepted_by_pos) == res.accepted
+    assert sum(res.proposed_by_pos) == res.proposed
+    assert all(a <= p for a, p in zip(res.accepted_by_pos, res.proposed_by_pos))
+    # every pass commits its accepted drafts plus one token, except where the budget cut it
+    assert sum(res.accept_lengths[1:]) <= res.accepted + res.decode_steps
+    assert sum(res.accept_lengths[1:]) >= res.decode_steps

@@ -8,7 +8,7 @@ import random
 
 import pytest
 import torch
-from helpers import chain_forward
+from helpers import chain_forward, check_counters, make_looping_target, prompts
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
@@ -16,14 +16,12 @@ from specdec.cli_checks import CONFIG_DIR
 from specdec.engine.engine import ForwardOut, StaticEngine
 from specdec.engine.sampling import SamplingParams
 from specdec.errors import SpecdecError
-from specdec.models.loader import LoadedModel, load_model
+from specdec.models.loader import LoadedModel
 from specdec.ngram import NGramPool
-from specdec.strategies.base import DecodeState, GenerationParams, TurnResult
+from specdec.strategies.base import DecodeState, GenerationParams
 from specdec.strategies.greedy import Greedy
 from specdec.strategies.lookahead import Lookahead, LookaheadProposer, combined_mask
 from specdec.verify import Verdict
-
-REPEATING_TEXT = "The cat sat on the mat. The cat sat on the mat. The cat sat on the mat. The cat sat on the"
 
 # --- the pool ------------------------------------------------------------------------------------
 
@@ -182,33 +180,11 @@ def test_window_fills_then_slides_and_pools_its_columns() -> None:
 
 @pytest.fixture(scope="module")
 def looping_target() -> LoadedModel:
-    """A tiny random model with small weights: its greedy output settles into long runs of one token."""
-    cfg = OmegaConf.to_container(OmegaConf.load(CONFIG_DIR / "model" / "tiny-llama.yaml"), resolve=True)
-    assert isinstance(cfg, dict)
-    cfg.pop("_target_")
-    cfg["tiny"] = {**cfg["tiny"], "initializer_range": 0.1}
-    return load_model(**cfg)
+    return make_looping_target()
 
 
-def prompts(target: LoadedModel) -> dict[str, list[int]]:
-    tok = target.tokenizer
-    return {
-        "repeating": tok(REPEATING_TEXT)["input_ids"],
-        "pattern": [17, 40, 99, 23] * 6,
-        "no_repeats": list(range(3, 40)),
-        "one_token": [42],
-        "chat": target.chat_ids([{"role": "user", "content": "Explain why the sky is blue."}]),
-    }
 
 
-def check_counters(res: TurnResult, max_new: int) -> None:
-    assert sum(res.accept_lengths) == len(res.output_ids) <= max_new
-    assert len(res.accept_lengths) == res.decode_steps + 1
-    assert 0 <= res.accepted <= res.proposed
-    assert sum(res.accepted_by_pos) == res.accepted
-    assert sum(res.proposed_by_pos) == res.proposed
-    assert sum(res.accept_lengths[1:]) <= res.accepted + res.decode_steps
-    assert sum(res.accept_lengths[1:]) >= res.decode_steps
 
 
 @pytest.mark.parametrize("options", [

@@ -8,20 +8,18 @@ import time
 from collections.abc import Callable
 
 import pytest
+from helpers import check_counters, make_looping_target, prompts
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
 from specdec.cli_checks import CONFIG_DIR
 from specdec.engine.sampling import SamplingParams
 from specdec.errors import SpecdecError
-from specdec.models.loader import LoadedModel, load_model
+from specdec.models.loader import LoadedModel
 from specdec.ngram import NGramIndex, candidates_to_tree, continuation, lookup
-from specdec.strategies.base import GenerationParams, TurnResult
+from specdec.strategies.base import GenerationParams
 from specdec.strategies.greedy import Greedy
 from specdec.strategies.prompt_lookup import PromptLookup
-
-REPEATING_TEXT = "The cat sat on the mat. The cat sat on the mat. The cat sat on the mat. The cat sat on the"
-
 
 # --- naive references --------------------------------------------------------------------------
 
@@ -148,36 +146,8 @@ def test_candidates_to_tree_merges_shared_prefixes() -> None:
 
 @pytest.fixture(scope="module")
 def looping_target() -> LoadedModel:
-    """A tiny random model with small weights: its greedy output settles into long runs of one token,
-    so copying from the sequence pays off (a stand-in for the loops and quotes of real models)."""
-    cfg = OmegaConf.to_container(OmegaConf.load(CONFIG_DIR / "model" / "tiny-llama.yaml"), resolve=True)
-    assert isinstance(cfg, dict)
-    cfg.pop("_target_")
-    cfg["tiny"] = {**cfg["tiny"], "initializer_range": 0.1}
-    return load_model(**cfg)
+    return make_looping_target()
 
-
-def prompts(target: LoadedModel) -> dict[str, list[int]]:
-    tok = target.tokenizer
-    return {
-        "repeating": tok(REPEATING_TEXT)["input_ids"],
-        "pattern": [17, 40, 99, 23] * 6,
-        "no_repeats": list(range(3, 40)),
-        "one_token": [42],
-        "chat": target.chat_ids([{"role": "user", "content": "Explain why the sky is blue."}]),
-    }
-
-
-def check_counters(res: TurnResult, max_new: int) -> None:
-    assert sum(res.accept_lengths) == len(res.output_ids) <= max_new
-    assert len(res.accept_lengths) == res.decode_steps + 1
-    assert 0 <= res.accepted <= res.proposed
-    assert sum(res.accepted_by_pos) == res.accepted
-    assert sum(res.proposed_by_pos) == res.proposed
-    assert all(a <= p for a, p in zip(res.accepted_by_pos, res.proposed_by_pos))
-    # every pass commits its accepted drafts plus one token, except where the budget cut it
-    assert sum(res.accept_lengths[1:]) <= res.accepted + res.decode_steps
-    assert sum(res.accept_lengths[1:]) >= res.decode_steps
 
 
 @pytest.mark.parametrize("options", [
