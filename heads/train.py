@@ -115,8 +115,10 @@ class LengthBatches(Sampler[list[int]]):
         return len(self.batches)
 
 
-def collate(rows: list[dict[str, Any]], seq_len: int, pad_id: int) -> dict[str, Tensor]:
-    """Right-padded (B, T) input_ids, labels (-100 on padding) and attention_mask; `hidden` if cached.
+def collate(rows: list[dict[str, Any]], seq_len: int, pad_id: int, store: HiddenStore | None = None
+            ) -> dict[str, Tensor]:
+    """Right-padded (B, T) input_ids, labels (-100 on padding) and attention_mask; `hidden` (B, T, D)
+    from `store` when the rows carry a `hidden_row`.
 
     A sequence longer than seq_len keeps its last seq_len tokens: the start of the prompt is cut, never
     the continuation the labels are on.
@@ -132,12 +134,12 @@ def collate(rows: list[dict[str, Any]], seq_len: int, pad_id: int) -> dict[str, 
         labels[b, :n] = torch.tensor(r["labels"][-n:])
         mask[b, :n] = 1
     batch = {"input_ids": ids, "labels": labels, "attention_mask": mask}
-    if "hidden" in rows[0]:
-        D = len(rows[0]["hidden"][0])
-        hidden = torch.zeros((B, T, D), dtype=torch.float32)
+    if store is not None and "hidden_row" in rows[0]:
+        hidden = torch.zeros((B, T, store.dim), dtype=torch.float32)  # (B, T, D)
         for b, r in enumerate(rows):
-            n = min(T, len(r["hidden"]))
-            hidden[b, :n] = torch.tensor(r["hidden"][-n:])
+            n = min(T, len(r["input_ids"]))
+            end = r["hidden_row"] + min(store.seq_len, len(r["input_ids"]))
+            hidden[b, :n] = torch.from_numpy(store.rows[end - n:end].astype("float32"))
         batch["hidden"] = hidden
     return batch
 
@@ -170,23 +172,54 @@ def target_hidden(target: LoadedModel, input_ids: Tensor, attention_mask: Tensor
     return out.hidden_states[-1].float()
 
 
-def with_cached_hidden(data: Any, target: LoadedModel, seq_len: int, batch_size: int) -> Any:
-    """Add the target's hidden states as an fp16 column, computed once (datasets' Arrow cache)."""
-    import datasets
+@dataclass
+class HiddenStore:
+    """The target's hidden states of a whole dataset, fp16, as one flat (rows, D) memory-mapped array.
 
-    folder = Path(data.cache_files[0]["filename"]).parent if data.cache_files else None
-    features = data.features.copy()
-    features["hidden"] = datasets.Sequence(datasets.Sequence(datasets.Value("float16")))
+    Example j owns rows hidden_row[j] .. hidden_row[j] + min(seq_len, len(input_ids[j])): the states of
+    its last seq_len tokens, the ones collate keeps. A flat array rather than an Arrow column of nested
+    lists, because converting 3M floats per batch to and from Python lists cost seconds per step.
+    """
 
-    def add(rows: dict[str, list[Any]]) -> dict[str, list[Any]]:
-        batch = collate([dict(zip(rows, v)) for v in zip(*rows.values())], seq_len, 0)
-        h = target_hidden(target, batch["input_ids"], batch["attention_mask"]).half().cpu()
-        lens = batch["attention_mask"].sum(-1).tolist()
-        return rows | {"hidden": [h[b, :n].tolist() for b, n in enumerate(lens)]}
+    rows: Any  # numpy.memmap (N, D) float16
+    seq_len: int
 
-    name = str(folder / f"hidden-{target.folder.name}-{seq_len}.arrow") if folder else None
-    return data.map(add, batched=True, batch_size=batch_size, features=features, cache_file_name=name,
-                    desc="target hidden states")
+    @property
+    def dim(self) -> int:
+        return int(self.rows.shape[1])
+
+
+def with_cached_hidden(data: Any, target: LoadedModel, seq_len: int, batch_size: int,
+                       folder: Path | None = None) -> tuple[Any, HiddenStore]:
+    """Compute the target's hidden states once (resumable across reruns only as a whole: the file is
+    complete or rebuilt), store them next to the dataset; returns the data with a `hidden_row` column."""
+    import numpy as np
+
+    if folder is None and data.cache_files:
+        folder = Path(data.cache_files[0]["filename"]).parent
+    lengths = [min(seq_len, len(x)) for x in data["input_ids"]]
+    offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+    D = target.hidden_size
+    key = hashlib.sha256(f"{data._fingerprint}-{target.folder.name}-{seq_len}".encode()).hexdigest()[:16]
+    path = (folder or Path(os.environ.get("TMPDIR", "/tmp"))) / f"hidden-{key}.f16"
+    done = path.with_suffix(".done")
+    shape = (int(offsets[-1]), D)
+    if not done.exists():
+        rows = np.lib.format.open_memmap(path, mode="w+", dtype=np.float16, shape=shape)
+        order = sorted(range(len(lengths)), key=lengths.__getitem__)  # similar lengths: little padding
+        for s in range(0, len(order), batch_size):
+            idx = order[s:s + batch_size]
+            batch = collate([data[i] for i in idx], seq_len, 0)
+            h = target_hidden(target, batch["input_ids"], batch["attention_mask"]).half().cpu().numpy()
+            for b, i in enumerate(idx):
+                rows[offsets[i]:offsets[i + 1]] = h[b, :lengths[i]]
+            if s // batch_size % 20 == 0:
+                print(f"target hidden states: {s + len(idx)}/{len(order)}", flush=True)
+        rows.flush()
+        del rows
+        done.write_text("ok\n")
+    store = HiddenStore(np.load(path, mmap_mode="r"), seq_len)
+    return data.add_column("hidden_row", offsets[:-1].tolist()), store
 
 
 # --------------------------------------------------------------------------------------------------
@@ -324,8 +357,9 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     data_cfg["seeds"] = tuple(data_cfg["seeds"])
     with accelerator.main_process_first():
         data = build_distill_dataset(target, **data_cfg, log=say)
+        store = None
         if trainable.needs_hidden and t.cache_hidden:
-            data = with_cached_hidden(data, target, int(t.seq_len), int(t.batch_size))
+            data, store = with_cached_hidden(data, target, int(t.seq_len), int(t.batch_size))
     n_val = int(len(data) * float(t.val_fraction)) if len(data) > 1 else 0
     split = data.train_test_split(test_size=n_val, seed=int(t.seed), shuffle=True) if n_val else None
     train_data, val_data = (split["train"], split["test"]) if split else (data, None)
@@ -352,7 +386,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
 
     def batches(dataset: Any, sampler: Sampler[list[int]]) -> Any:
         return accelerator.prepare(DataLoader(dataset, batch_sampler=sampler,
-                                              collate_fn=lambda rows: collate(rows, int(t.seq_len), pad)))
+                                              collate_fn=lambda rows: collate(rows, int(t.seq_len), pad, store)))
 
     budget_s = float(t.max_minutes) * 60
     max_steps = int(t.max_steps) if t.max_steps else None

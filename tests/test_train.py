@@ -12,7 +12,7 @@ from omegaconf import DictConfig
 
 from heads.distill_data import distill_prompts, to_example
 from heads.draft_model import load_draft
-from heads.train import target_hidden, train
+from heads.train import collate, target_hidden, train, with_cached_hidden
 from specdec.cli_checks import CONFIG_DIR
 from specdec.data import default_suite
 from specdec.engine.engine import StaticEngine
@@ -117,7 +117,23 @@ def test_resume_continues_from_the_checkpoint(tmp_path: Path, data_dir: Path) ->
 def test_heads_reading_hidden_states_get_them_cached(tmp_path: Path, data_dir: Path) -> None:
     meta = train(config(tmp_path / "kl", data_dir, "train.max_steps=3", "head.kl_weight=0.5"))
     assert meta["steps"] == 3
-    assert any(p.name.startswith("hidden-") for p in data_dir.rglob("*.arrow"))
+    assert any(p.name.startswith("hidden-") for p in data_dir.rglob("*.f16"))
+
+
+def test_cached_hidden_rows_equal_a_fresh_target_pass(tmp_path: Path, tiny_target: LoadedModel) -> None:
+    import datasets
+
+    rows = [to_example(list(range(3, 3 + n)), [7, 8, 9]) for n in (2, 9, 5)]  # lengths 5, 12, 8
+    data = datasets.Dataset.from_list(rows)
+    seq_len = 10  # the 12-token row keeps only its last 10 states, as collate cuts it
+    data, store = with_cached_hidden(data, tiny_target, seq_len, batch_size=2, folder=tmp_path)
+    batch = collate([data[i] for i in range(3)], seq_len, 0, store)
+    ref = target_hidden(tiny_target, batch["input_ids"], batch["attention_mask"])  # (3, 10, D)
+    mask = batch["attention_mask"].bool()
+    torch.testing.assert_close(batch["hidden"][mask], ref[mask], atol=2e-2, rtol=1e-2)  # stored in fp16
+    assert not batch["hidden"][~mask].any()
+    again, _ = with_cached_hidden(datasets.Dataset.from_list(rows), tiny_target, seq_len, 2, folder=tmp_path)
+    assert again["hidden_row"] == data["hidden_row"] == [0, 5, 15]
 
 
 def test_generation_budget_is_kept_across_reruns(tmp_path: Path, tiny_target: LoadedModel) -> None:
