@@ -55,6 +55,12 @@ def test_preset_contents() -> None:
     spec = composed("experiment=specbench_style")
     assert list(spec.strategies) == list(headline.strategies) and spec.data.name == "jsonl"
     assert Path(spec.data.path) == DATA_FILE  # found through ${specdec.repo:...}, not the working directory
+    trained, trained_spec = composed("experiment=trained"), composed("experiment=trained_specbench")
+    assert list(trained.strategies) == list(trained_spec.strategies) == ["greedy", "draft", "hf_assisted", "medusa"]
+    assert trained.data.name == "default" and Path(trained_spec.data.path) == DATA_FILE
+    schedules = composed("experiment=draft_schedules")
+    assert {composed(f"strategy={s}").strategy.schedule._target_.rsplit(".", 1)[1]
+            for s in schedules.strategies if s != "greedy"} == {"FixedLength", "Heuristic", "Confidence", "CostAware"}
 
 
 def test_sweep_preset_sweeps_draft_tokens_of_the_composed_strategy() -> None:
@@ -63,6 +69,13 @@ def test_sweep_preset_sweeps_draft_tokens_of_the_composed_strategy() -> None:
     values = str(cfg.hydra.sweeper.params["strategy.num_draft_tokens"]).split(",")
     assert [int(v) for v in values] == [2, 4, 8, 12]
     assert "num_draft_tokens" in cfg.strategy and cfg.strategy.adaptive is False
+
+
+def test_draft_sweep_preset_sweeps_gamma_of_a_fixed_schedule() -> None:
+    cfg = composed("experiment=sweep_draft", hydra=True)
+    assert cfg.strategy.name == "draft" and cfg.strategy.schedule._target_.endswith("FixedLength")
+    values = str(cfg.hydra.sweeper.params["strategy.schedule.gamma"]).split(",")
+    assert [int(v) for v in values] == [1, 2, 3, 4, 6]
 
 
 def test_command_line_overrides_win_over_presets() -> None:
