@@ -34,7 +34,7 @@ from torch import Tensor
 
 from specdec.cli_checks import CONFIG_DIR
 from specdec.data import default_suite
-from specdec.engine.engine import StaticEngine
+from specdec.engine.engine import StaticEngine, verification_cost
 from specdec.errors import SpecdecError
 from specdec.models.loader import LoadedModel
 from specdec.strategies.base import torch_threads
@@ -184,6 +184,18 @@ def expected_accepted(tree: Sequence[Path_], prob: Callable[[Path_], float]) -> 
     return sum(prob(p) for p in tree)
 
 
+def measured_cost_curve(target: LoadedModel, sizes: Sequence[int], context: int = 256, reps: int = 7
+                        ) -> dict[int, float]:
+    """Time target passes over each number of tokens (a tree plus its root) on this machine, relative to one.
+
+    Measured rather than assumed because the curve is a property of the hardware and BLAS: on 2 CPU
+    cores GEMMs are padded to 8 rows, so 2 to 8 tokens cost about the same; on a GPU it is nearly flat.
+    """
+    engine = StaticEngine(target.model, context + max(sizes) + 2)
+    with torch_threads(target.torch_threads):
+        return {n: 1.0 if n == 1 else verification_cost(engine, n, context, reps) for n in sizes}
+
+
 def pass_cost(n_tokens: int, curve: dict[int, float]) -> float:
     """Cost of one target pass over n tokens in single-token passes: piecewise linear through `curve`."""
     pts = sorted((int(k), float(v)) for k, v in curve.items())
@@ -232,10 +244,13 @@ def tune(cfg: DictConfig) -> dict[str, Any]:
     acc = rank_accuracy(cal.ranks, cal.width)
     estimates = {"product": product_estimate(acc), "joint": joint_estimate(cal.ranks)}
     prob = estimates[t.estimate]
-    curve = {int(k): float(v) for k, v in OmegaConf.to_container(t.cost_curve).items()}  # type: ignore[union-attr]
+    budgets = [int(t.budget)] if t.budget is not None else [int(b) for b in t.budgets]
+    if t.cost_curve == "measure":
+        curve = measured_cost_curve(target, sorted({1, *(b + 1 for b in budgets)}))
+    else:
+        curve = {int(k): float(v) for k, v in OmegaConf.to_container(t.cost_curve).items()}  # type: ignore[union-attr]
     head_cost = float(t.head_cost) if t.head_cost is not None else cal.heads_s / max(cal.step_s, 1e-9)
     depth = min(int(t.max_depth or heads.num_heads), heads.num_heads)
-    budgets = [int(t.budget)] if t.budget is not None else [int(b) for b in t.budgets]
     scored = score_budgets(prob, budgets, int(t.width), depth, curve, head_cost)
     best = max(scored, key=lambda s: s.speedup)
     result = {
@@ -248,6 +263,7 @@ def tune(cfg: DictConfig) -> dict[str, Any]:
         "head_cost": round(head_cost, 4),
         "budgets": {s.budget: {"expected_accepted": round(s.expected_accepted, 4), "speedup": round(s.speedup, 4)}
                     for s in scored},
+        "cost_curve": {k: round(v, 3) for k, v in sorted(curve.items())},
         "top1_accuracy": [round(float(a), 4) for a in acc[:, 0]],
         "rank_accuracy": [[round(float(x), 4) for x in row] for row in acc],
         "positions": len(cal.ranks),

@@ -400,6 +400,8 @@ def test_tune_writes_a_tree_the_strategy_loads(tiny_target: LoadedModel, tmp_pat
     result = tune(cfg)
     assert result["budget"] in (2, 5, 9) and len(result["choices"]) == result["budget"]
     assert result["positions"] > 0 and len(result["rank_accuracy"]) == 3
+    assert set(result["cost_curve"]) == {1, 3, 6, 10} and result["cost_curve"][1] == 1.0  # measured: root + nodes
+    assert all(v > 0 for v in result["cost_curve"].values())
     tree = load_tree(str(out), 3)
     assert tree == [tuple(p) for p in result["choices"]]
     medusa = Medusa(tiny_target, max_len=256, heads=medusa_heads(tiny_target, num_heads=3, seed=4), tree=str(out))
