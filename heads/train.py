@@ -57,6 +57,7 @@ from omegaconf import DictConfig, OmegaConf
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, Sampler
 
+from heads.card import write_card
 from specdec.cli_checks import CONFIG_DIR
 from specdec.errors import SpecdecError
 from specdec.models.loader import LoadedModel
@@ -464,6 +465,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         trainable.save(accelerator.unwrap_model(module), out_dir, meta)
+        write_card(out_dir, trainable.name, target.name, meta)
         say(f"saved {trainable.name} for {target.name} to {out_dir} ({state.step} steps, "
             f"{state.elapsed_s / 60:.1f} min)")
     if logger is not None:

@@ -71,6 +71,9 @@ def test_short_training_lowers_loss_and_ships_a_usable_draft(tmp_path: Path, dat
     saved = json.loads((out / "config.json").read_text())
     assert saved["base_model"] == "tiny-llama" and saved["num_layers"] == 1 and saved["kept_vocab"] == 128
     assert saved["hidden_size"] == tiny_target.hidden_size and saved["vocab_size"] == tiny_target.vocab_size
+    card = (out / "README.md").read_text()
+    assert "# draft for tiny-llama" in card and "30 steps" in card and "python -m heads.train" in card
+    assert f"last {meta['last_loss']:.4g}" in card
     draft = load_draft(str(out))
     net = draft.bind(tiny_target)
     assert net.token_ids is not None and len(net.token_ids) == 128

@@ -1,0 +1,71 @@
+"""The card shipped beside a trained drafter: how it was made and how well it predicts.
+
+Written by `python -m heads.train` from the run's own facts (command, commit, machine, data, steps,
+losses, held-out metrics), so a shipped artifact always says how to reproduce it.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+CARD = "README.md"
+
+
+def _commit() -> str:
+    try:
+        root = Path(__file__).resolve().parents[1]
+        out = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"], capture_output=True,
+                             text=True, timeout=10)
+        return out.stdout.strip() or "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def machine() -> str:
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
+    return (f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPU cores, {gpu}; "
+            f"torch {torch.__version__}, Python {platform.python_version()}")
+
+
+def _fmt(v: Any) -> str:
+    return f"{v:.4g}" if isinstance(v, float) else str(v)
+
+
+def write_card(out_dir: Path, name: str, model: str, meta: dict[str, Any], argv: list[str] | None = None) -> Path:
+    """README.md in out_dir from heads.train's metadata (steps, losses, `val/...` metrics, config)."""
+    argv = sys.argv[1:] if argv is None else argv
+    cfg = meta.get("config", {})
+    data, train = cfg.get("data", {}), cfg.get("train", {})
+    val = {k.removeprefix("val/"): v for k, v in meta.items() if k.startswith("val/")}
+    lines = [
+        f"# {name} for {model}",
+        "",
+        "Trained by specdec's own command on the target's own greedy continuations (self-distillation);",
+        "the target stays frozen. Retrain or train for another model with the command below.",
+        "",
+        f"- Command: `python -m heads.train {' '.join(argv)}`",
+        f"- Date: {meta.get('date')}; commit {_commit()}",
+        f"- Machine: {machine()}",
+        f"- Data: {meta.get('sequences')} training sequences, {meta.get('target_tokens')} target tokens "
+        f"(prompts: offline suite, {data.get('per_category')} per category for seeds {data.get('seeds')}, "
+        f"benchmark prompts excluded; continuations of {data.get('max_new_tokens')} tokens, generation "
+        f"budget {data.get('max_minutes')} min)",
+        f"- Training: {meta.get('steps')} steps, {_fmt(meta.get('epochs'))} epochs, {_fmt(meta.get('minutes'))} min "
+        f"(budget {train.get('max_minutes')} min), batch {train.get('batch_size')}, lr {train.get('lr')}, "
+        f"sequence length {train.get('seq_len')}",
+        f"- Loss: first {_fmt(meta.get('first_loss'))}, last {_fmt(meta.get('last_loss'))}",
+        "",
+    ]
+    if val:
+        lines += [f"## Held-out validation ({train.get('val_fraction')} of the sequences)", "",
+                  "| metric | value |", "|---|---|", *(f"| {k} | {_fmt(v)} |" for k, v in val.items()), ""]
+    path = out_dir / CARD
+    path.write_text("\n".join(lines))
+    return path
