@@ -445,3 +445,16 @@ def test_trees_need_the_compact_engine_chains_do_not(load_tiny) -> None:
     want = Greedy(compact, "greedy", max_len=128).generate(prompt, GenerationParams(20), 0).output_ids
     chain = Medusa(hf, max_len=128, heads=heads, tree="chain")
     assert chain.generate(prompt, GenerationParams(20), 0).output_ids == want
+
+
+def test_tuned_tree_is_the_tuners_file_for_this_model_else_the_default(tiny_target: LoadedModel, tmp_path: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    import specdec.strategies.medusa as medusa_module
+
+    heads = medusa_heads(tiny_target, num_heads=3, seed=4)
+    monkeypatch.setattr(medusa_module, "tuned_tree_path", lambda name: tmp_path / f"{name}-medusa.yaml")
+    fallback = Medusa(tiny_target, max_len=128, heads=heads, tree="tuned")
+    assert fallback.tree_source == "default" and fallback.paths == load_tree("default", 3)
+    (tmp_path / "tiny-llama-medusa.yaml").write_text("budget: 2\nchoices:\n- [0]\n- [0, 0]\n")
+    tuned = Medusa(tiny_target, max_len=128, heads=heads, tree="tuned")
+    assert tuned.paths == [(0,), (0, 0)] and tuned.tree_source.endswith("tiny-llama-medusa.yaml")

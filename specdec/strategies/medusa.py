@@ -48,6 +48,11 @@ class Heads(Protocol):
     def topk(self, hidden: Tensor, k: int) -> Tensor: ...  # (dim,) -> (K, k) token ids
 
 
+def tuned_tree_path(model_name: str) -> Path:
+    """Where `python -m heads.tree_tuning` writes the tree for a model (configs/tune_tree.yaml `out`)."""
+    return REPO_ROOT / "heads" / "trees" / f"{model_name}-medusa.yaml"
+
+
 def chain_tree(depth: int) -> list[tuple[int, ...]]:
     """Top-1 of each head: a chain of `depth` nodes."""
     return [(0,) * d for d in range(1, depth + 1)]
@@ -133,7 +138,7 @@ class MedusaProposer:
 
 class Medusa(SpeculativeStrategy):
     def __init__(self, target: LoadedModel, name: str = "medusa", max_len: int = 2048, prefill_chunk: int = 512,
-                 heads: Callable[..., Heads] | Heads | None = None, tree: str | Sequence[Sequence[int]] = "default",
+                 heads: Callable[..., Heads] | Heads | None = None, tree: str | Sequence[Sequence[int]] = "tuned",
                  acceptance: str = "typical", epsilon: float = 0.09, delta: float = 0.3) -> None:
         super().__init__(target, name, max_len, prefill_chunk)
         if heads is None:
@@ -143,6 +148,10 @@ class Medusa(SpeculativeStrategy):
             raise SpecdecError(f"unknown strategy.acceptance={acceptance!r}; use typical or exact")
         if not (0 < epsilon <= 1 and delta > 0):
             raise SpecdecError(f"typical acceptance needs 0 < epsilon <= 1 and delta > 0, got {epsilon}, {delta}")
+        if tree == "tuned":  # what heads.tree_tuning wrote for this model, else the hand-made tree
+            tuned = tuned_tree_path(target.name)
+            tree = str(tuned) if tuned.is_file() else "default"
+        self.tree_source = tree if isinstance(tree, str) else "paths"
         self.paths = load_tree(tree, self.heads.num_heads)
         is_chain = sorted(self.paths) == chain_tree(max(map(len, self.paths)))
         if not is_chain and not getattr(self.engine, "supports_trees", False):
