@@ -227,6 +227,14 @@ def environment() -> dict[str, Any]:
             "date": time.strftime("%Y-%m-%d %H:%M:%S")}
 
 
+def peak_rss_mb() -> float:
+    """This process's peak resident memory so far (models, caches, strategies: the whole run)."""
+    import resource
+
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak / 1024 / (1024 if sys.platform == "darwin" else 1)  # bytes on macOS, KiB on Linux
+
+
 def run(cfg: DictConfig) -> dict[str, Any]:
     """Run the configured strategies over the suite; write answers.jsonl and summary.json.
 
@@ -297,6 +305,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
             add_speedup_ci(summary)
             summary["failures"] = failures
             summary["interrupted"] = interrupted
+            summary["peak_rss_mb"] = round(peak_rss_mb(), 1)
             _write_json(out_dir / "summary.json", summary)
             logger.log_summary(summary, [out_dir / "summary.json", out_dir / "answers.jsonl"])
             logger.finish()
@@ -326,6 +335,8 @@ def print_summary(summary: dict[str, Any], out_dir: str) -> None:
             return f"{v:>{w}.{p}f}" if v is not None else f"{'-':>{w}}"
         print(f"{name:<20}{fmt(s['tokens_per_s'], 10)}{fmt(s['speedup'], 9)}{fmt(s['mean_accepted_tokens'], 7)}"
               f"{fmt(s['acceptance_rate'], 7)}{fmt(s['matches_baseline'], 7)}")
+    if summary.get("peak_rss_mb"):
+        print(f"peak resident memory: {summary['peak_rss_mb']:.0f} MB")
 
 
 def user_error(exc: BaseException) -> SpecdecError | None:

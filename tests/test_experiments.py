@@ -91,6 +91,7 @@ def test_foundation_preset_runs_on_the_tiny_model(tmp_path: Path) -> None:
     assert set(summary["strategies"]) == {"greedy", "hf_generate"}
     assert summary["strategies"]["greedy"]["matches_baseline"] == 1.0  # same weights, same greedy tokens
     assert (tmp_path / "answers.jsonl").is_file()
+    assert 50 < summary["peak_rss_mb"] < 100_000  # MB, not KiB or bytes
 
 
 def test_specbench_style_file() -> None:
