@@ -268,11 +268,14 @@ class DraftTrainable:
     """heads.train's Trainable for the distilled draft (configs/head/draft.yaml)."""
 
     def __init__(self, name: str = "draft", layers: int = 2, init_layers: list[int] | None = None,
-                 kept_vocab: int = 8192, kl_weight: float = 0.0, save_dtype: str = "fp16") -> None:
+                 kept_vocab: int = 8192, kl_weight: float = 0.0, kl_positions: str = "continuation",
+                 save_dtype: str = "fp16") -> None:
         if layers < 1:
             raise SpecdecError(f"head.layers={layers} must be at least 1")
         if init_layers is not None and len(init_layers) not in (0, layers):
             raise SpecdecError(f"head.init_layers={list(init_layers)} must name {layers} target layers (or be null)")
+        if kl_positions not in ("continuation", "all"):
+            raise SpecdecError(f"head.kl_positions={kl_positions!r}; use continuation or all")
         if save_dtype not in ("fp16", "bf16", "fp32"):
             raise SpecdecError(f"head.save_dtype={save_dtype!r}; use fp16, bf16 or fp32")
         self.name = name
@@ -280,6 +283,7 @@ class DraftTrainable:
         self.init_layers = list(init_layers or [])
         self.kept_vocab = kept_vocab
         self.kl_weight = kl_weight
+        self.kl_positions = kl_positions
         self.needs_hidden = kl_weight > 0
         self.save_dtype = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}[save_dtype]
         self.kept_ids: Tensor | None = None
@@ -327,8 +331,11 @@ class DraftTrainable:
         logs = {"ce": float(ce.detach())}
         loss = ce
         if self.kl_weight > 0 and target_hidden is not None:
-            p_log = F.log_softmax(F.linear(target_hidden[scored].float(), self.head.to(target_hidden.device)), -1)
-            q_log = F.log_softmax(logits[scored], -1)
+            # "all": the target's distribution is known at every prompt position too, which multiplies
+            # the distillation signal several times over for the same generated data
+            at = scored if self.kl_positions == "continuation" else batch["attention_mask"].bool()
+            p_log = F.log_softmax(F.linear(target_hidden[at].float(), self.head.to(target_hidden.device)), -1)
+            q_log = F.log_softmax(logits[at], -1)
             kl = F.kl_div(q_log, p_log, log_target=True, reduction="batchmean")
             loss = loss + self.kl_weight * kl
             logs["kl"] = float(kl.detach())

@@ -35,6 +35,7 @@ def config(out: Path, data_dir: Path, *overrides: str) -> DictConfig:
             "data.per_category=1", "data.seeds=[1]", "data.max_new_tokens=16", "data.batch_size=4",
             "train.batch_size=2", "train.seq_len=96", "train.torch_threads=1", "train.log_every=100",
             "train.val_fraction=0", "head.layers=1", "head.init_layers=[0]", "head.kept_vocab=128",
+            "head.kl_weight=0",
             *overrides])
 
 
@@ -117,9 +118,11 @@ def test_resume_continues_from_the_checkpoint(tmp_path: Path, data_dir: Path) ->
     assert fresh["steps"] == 2
 
 
-def test_heads_reading_hidden_states_get_them_cached(tmp_path: Path, data_dir: Path) -> None:
-    meta = train(config(tmp_path / "kl", data_dir, "train.max_steps=3", "head.kl_weight=0.5"))
-    assert meta["steps"] == 3
+@pytest.mark.parametrize("positions", ["continuation", "all"])
+def test_heads_reading_hidden_states_get_them_cached(tmp_path: Path, data_dir: Path, positions: str) -> None:
+    meta = train(config(tmp_path / "kl", data_dir, "train.max_steps=30", "train.lr=3e-3", "head.kl_weight=0.5",
+                        f"head.kl_positions={positions}"))
+    assert meta["steps"] == 30 and meta["last_loss"] < 0.8 * meta["first_loss"]
     assert any(p.name.startswith("hidden-") for p in data_dir.rglob("*.f16"))
 
 
