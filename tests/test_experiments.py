@@ -40,7 +40,7 @@ def test_preset_composes_with_built_strategies(name: str) -> None:
         assert (CONFIG_DIR / "strategy" / f"{strategy}.yaml").is_file(), f"{name} names unbuilt {strategy}"
     assert cfg.baseline in names
     assert cfg.model.name == "smollm2-135m"  # tables are on the default model, pinned
-    assert cfg.generation.temperature == 0.0
+    assert cfg.generation.temperature == (0.7 if name.endswith("_sampling") else 0.0)
     assert name in cfg.hydra.sweep.dir  # results land in a folder named for the preset
 
 
