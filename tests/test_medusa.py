@@ -458,3 +458,20 @@ def test_tuned_tree_is_the_tuners_file_for_this_model_else_the_default(tiny_targ
     (tmp_path / "tiny-llama-medusa.yaml").write_text("budget: 2\nchoices:\n- [0]\n- [0, 0]\n")
     tuned = Medusa(tiny_target, max_len=128, heads=heads, tree="tuned")
     assert tuned.paths == [(0,), (0, 0)] and tuned.tree_source.endswith("tiny-llama-medusa.yaml")
+
+
+def test_prompt_positions_add_loss_but_not_metrics(tiny_target: LoadedModel) -> None:
+    from heads.medusa_train import MedusaLoss
+
+    torch.manual_seed(0)
+    module = MedusaTrainable(num_heads=2, head_vocab=None).build(tiny_target)
+    assert isinstance(module, MedusaLoss)
+    hidden = torch.randn(1, 9, tiny_target.hidden_size)  # (B, T, D)
+    ids = torch.tensor([[5, 6, 7, 8, 9, 10, 11, 12, -1]])  # prompt 5..9, continuation 10..12, padding
+    labels = torch.tensor([[-100, -100, -100, -100, 10, 11, 12, -100, -100]])
+    ce0, t1a, t5a = module(hidden, labels, ids, 0.0)
+    ce1, t1b, t5b = module(hidden, labels, ids, 0.5)
+    assert torch.equal(t1a, t1b) and torch.equal(t5a, t5b)  # hit rates: continuation only
+    assert (ce1 > ce0).all()  # head 0 at t = 0..2 and head 1 at t = 0..1 see prompt tokens 7..9
+    no_prompt = torch.full_like(ids, -1)  # nothing to learn from the prompt: the loss is unchanged
+    torch.testing.assert_close(module(hidden, labels, no_prompt, 0.5)[0], ce0)
