@@ -38,6 +38,7 @@ _ENV_ROWS = (
     ("warmup", "warmup"), ("repeats", "repeats"), ("torch", "environment.torch"),
     ("python", "environment.python"), ("threads", "environment.threads"), ("cpu count", "environment.cpu_count"),
     ("cuda", "environment.cuda"), ("platform", "environment.platform"), ("date", "environment.date"),
+    ("commit", "environment.commit"),
 )
 
 

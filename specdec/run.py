@@ -220,8 +220,23 @@ def _no_interrupts() -> Iterator[None]:
         signal.signal(signal.SIGINT, old)
 
 
+def git_commit() -> str | None:
+    """The code's commit (with -dirty when files differ from it), so a table names the code that made it."""
+    import subprocess
+
+    root = Path(__file__).resolve().parents[1]
+    try:
+        head = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True, timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return (head + ("-dirty" if dirty else "")) or None
+
+
 def environment() -> dict[str, Any]:
-    return {"torch": torch.__version__, "threads": torch.get_num_threads(), "cpu_count": os.cpu_count(),
+    return {"commit": git_commit(), "torch": torch.__version__, "threads": torch.get_num_threads(), "cpu_count": os.cpu_count(),
             "platform": platform.platform(), "python": platform.python_version(),
             "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
             "date": time.strftime("%Y-%m-%d %H:%M:%S")}
