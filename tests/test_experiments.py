@@ -73,7 +73,7 @@ def test_sweep_preset_sweeps_draft_tokens_of_the_composed_strategy() -> None:
 
 def test_draft_sweep_preset_sweeps_gamma_of_a_fixed_schedule() -> None:
     cfg = composed("experiment=sweep_draft", hydra=True)
-    assert cfg.strategy.name == "draft" and cfg.strategy.schedule._target_.endswith("FixedLength")
+    assert cfg.strategy.name == "draft_fixed" and cfg.strategy.schedule._target_.endswith("FixedLength")
     values = str(cfg.hydra.sweeper.params["strategy.schedule.gamma"]).split(",")
     assert [int(v) for v in values] == [1, 2, 3, 4, 6]
 
