@@ -16,7 +16,7 @@ from specdec.errors import SpecdecError
 from specdec.metrics import strategy_metrics
 from specdec.models.loader import LoadedModel, load_model
 from specdec.strategies.base import DecodeState, GenerationParams
-from specdec.strategies.draft import CostAware, DraftStrategy, FixedLength, Heuristic
+from specdec.strategies.draft import Confidence, CostAware, DraftSchedule, DraftStrategy, FixedLength, Heuristic
 from specdec.strategies.greedy import Greedy
 from specdec.strategies.hf import HFAssisted
 
@@ -65,6 +65,18 @@ def test_draft_reproduces_greedy(target: LoadedModel, wrong_draft: LoadedModel, 
             assert res.accepted == res.proposed
         else:
             assert res.accepted <= res.proposed // 4  # a different random model rarely agrees
+
+
+@pytest.mark.parametrize("schedule", [Heuristic(gamma=2, max_gamma=8), Confidence(threshold=0.4, max_gamma=8),
+                                      CostAware(max_gamma=8, cost_ratio=0.01, verify_cost=0.0)],
+                         ids=["heuristic", "confidence", "cost_aware"])
+def test_every_schedule_reproduces_greedy(target: LoadedModel, wrong_draft: LoadedModel,
+                                          schedule: DraftSchedule) -> None:
+    for draft in (wrong_draft, target):
+        strategy = DraftStrategy(target, "draft", draft, schedule, 512, 64)
+        for text in PROMPTS:
+            prompt = prompt_ids(target, text)
+            assert strategy.generate(prompt, GenerationParams(30), 0).output_ids == greedy_ids(target, prompt, 30)
 
 
 def test_caches_match_recomputation_after_rejections(target: LoadedModel, wrong_draft: LoadedModel) -> None:
