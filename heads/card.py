@@ -8,24 +8,15 @@ from __future__ import annotations
 
 import os
 import platform
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from specdec.run import git_commit
+
 CARD = "README.md"
-
-
-def _commit() -> str:
-    try:
-        root = Path(__file__).resolve().parents[1]
-        out = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"], capture_output=True,
-                             text=True, timeout=10)
-        return out.stdout.strip() or "unknown"
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
 
 
 def machine() -> str:
@@ -51,7 +42,7 @@ def write_card(out_dir: Path, name: str, model: str, meta: dict[str, Any], argv:
         "the target stays frozen. Retrain or train for another model with the command below.",
         "",
         f"- Command: `python -m heads.train {' '.join(argv)}`",
-        f"- Date: {meta.get('date')}; commit {_commit()}",
+        f"- Date: {meta.get('date')}; commit {git_commit() or 'unknown'}",
         f"- Machine: {machine()}",
         f"- Data: {meta.get('sequences')} training sequences, {meta.get('target_tokens')} target tokens "
         f"(prompts: offline suite, {data.get('per_category')} per category for seeds {data.get('seeds')}, "

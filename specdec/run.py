@@ -236,7 +236,8 @@ def git_commit() -> str | None:
 
 
 def environment() -> dict[str, Any]:
-    return {"commit": git_commit(), "torch": torch.__version__, "threads": torch.get_num_threads(), "cpu_count": os.cpu_count(),
+    return {"commit": git_commit(), "torch": torch.__version__, "threads": torch.get_num_threads(),
+            "cpu_count": os.cpu_count(),
             "platform": platform.platform(), "python": platform.python_version(),
             "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
             "date": time.strftime("%Y-%m-%d %H:%M:%S")}
