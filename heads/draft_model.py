@@ -42,13 +42,11 @@ FINGERPRINT_ROWS = 64
 
 
 def _linear_weight(module: nn.Module) -> Tensor:
-    """(out, in) weight of an nn.Linear or of the CPU NumpyLinear that may replace it."""
-    if isinstance(module, nn.Linear):
-        return module.weight
-    weight_t = getattr(module, "weight_t", None)
-    if weight_t is None:
+    """(out, in) weight of an nn.Linear or of the CPU NumpyLinear / NumbaLinear that may replace it."""
+    weight = getattr(module, "weight", None)
+    if not isinstance(weight, Tensor):
         raise TypeError(f"cannot read the weight of {type(module).__name__}")
-    return torch.from_numpy(weight_t).t()
+    return weight
 
 
 def target_embedding(target: LoadedModel) -> Tensor:
@@ -174,7 +172,7 @@ class DraftCheckpoint:
         self.check(target)
         from safetensors.torch import load_file
 
-        from specdec.models.cpu_linear import use_numpy_linears
+        from specdec.models.cpu_linear import use_matmul
 
         tensors = load_file(str(self.folder / WEIGHTS))
         kept_ids = tensors.pop("kept_ids").long().to(target.device)
@@ -188,8 +186,8 @@ class DraftCheckpoint:
         net.load_hf_state_dict(layers | {"model.embed_tokens.weight": embed.detach(), "lm_head.weight": small_head})
         net.eval().requires_grad_(False)
         net.token_ids = kept_ids
-        if target.torch_threads == 1 and target.device.type == "cpu" and target.dtype == torch.float32:
-            use_numpy_linears(net)  # the target runs its matmuls through NumPy too (see cpu_linear.py)
+        if target.matmul != "torch":
+            use_matmul(net, target.matmul)  # the draft runs its matmuls the way the target does (see cpu_linear.py)
         net._hf_factory = lambda: _hf_draft(hf_config, layers, embed.detach(), small_head, kept_ids,
                                             target.dtype, target.device)
         self._bound[key] = net

@@ -58,10 +58,9 @@ def output_weight(target: LoadedModel) -> Tensor:
     """(V, dim) float32 weight of the target's output head, whichever linear implementation holds it."""
     model = target.model
     head = model.lm_head if target.backend == "compact" else model.get_output_embeddings()
-    if isinstance(head, nn.Linear):
-        return head.weight.detach().float()
-    if hasattr(head, "weight_t"):  # NumpyLinear keeps W^T as a NumPy array
-        return torch.from_numpy(head.weight_t).t().float()
+    weight = getattr(head, "weight", None)  # nn.Linear, or the CPU NumpyLinear / NumbaLinear replacing it
+    if isinstance(weight, Tensor):
+        return weight.detach().float()
     raise SpecdecError(f"cannot read the output head of {target.name} ({type(head).__name__}); "
                        "use a Llama-family model on model.backend=compact")
 

@@ -144,7 +144,7 @@ def bench(cfg: DictConfig) -> dict[str, Any]:
             drafts[name] = {"error": " ".join(str(e).split())[:200]}  # type: ignore[dict-item]
     return {
         "model": target.name, "dtype": str(target.dtype).removeprefix("torch."),
-        "matmul": "numpy" if target.torch_threads == 1 else "torch", "threads": torch.get_num_threads(),
+        "matmul": target.matmul, "threads": torch.get_num_threads(),
         "memory_bandwidth_gb_per_s": bandwidth, "weight_bytes": nbytes,
         "bandwidth_bound_ms_per_token": nbytes / bandwidth / 1e6,
         "greedy_vs_hf": speed,

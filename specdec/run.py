@@ -278,7 +278,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     assert isinstance(config, dict)
     config["environment"] = environment() | {"dtype": str(target.dtype).removeprefix("torch."),
                                              "backend": target.backend,
-                                             "matmul": "numpy" if target.torch_threads == 1 else "torch"}
+                                             "matmul": target.matmul}
     # the exact command, so every committed table names what reproduces it
     from hydra.core.hydra_config import HydraConfig
 

@@ -6,13 +6,15 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
-from helpers import chain_forward, random_ids
+from helpers import chain_forward, filled, random_ids
 from torch import Tensor
 
 from specdec.engine.engine import HFEngine, StaticEngine
 from specdec.errors import SpecdecError
+from specdec.models import cpu_kernels
 from specdec.models.llama import LlamaArgs
 from specdec.models.loader import LoadedModel
 
@@ -76,11 +78,25 @@ def test_incremental_decode_matches_transformers(model_type: str, load_tiny: Cal
     assert engine.length == len(ids)
 
 
-def test_numpy_matmul_matches_torch(load_tiny: Callable[..., LoadedModel]) -> None:
+@pytest.mark.parametrize("matmul", ["numpy", "numba"])
+def test_cpu_matmuls_match_torch(load_tiny: Callable[..., LoadedModel], matmul: str) -> None:
     ids = random_ids(12, VOCAB, seed=3)
     _, a = chain_forward(load_tiny("qwen2", matmul="torch").model, ids)
-    _, b = chain_forward(load_tiny("qwen2", matmul="numpy").model, ids)
+    _, b = chain_forward(load_tiny("qwen2", matmul=matmul).model, ids)
     torch.testing.assert_close(a, b, atol=ATOL, rtol=1e-4)
+
+
+@pytest.mark.parametrize("n_out", [48, 53])  # a multiple of the kernels' tiles, and one with a ragged tail
+def test_numba_kernels_are_batch_invariant(n_out: int) -> None:
+    """Each row's product is bitwise the same whatever rows share the call (1..30 rows, both kernels,
+    BLAS above MAX_ROWS aside), and equals x @ W^T to rounding."""
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((n_out, 40), dtype=np.float32)
+    x = rng.standard_normal((cpu_kernels.MAX_ROWS, 40), dtype=np.float32)
+    full = cpu_kernels.matmul_wt(x, w)
+    np.testing.assert_allclose(full, x @ w.T, rtol=1e-5, atol=1e-5)
+    for rows in range(1, cpu_kernels.MAX_ROWS):
+        assert np.array_equal(cpu_kernels.matmul_wt(np.ascontiguousarray(x[:rows]), w), full[:rows]), rows
 
 
 def test_hf_engine_matches_static_engine(load_tiny: Callable[..., LoadedModel]) -> None:
@@ -130,3 +146,27 @@ def test_unsupported_architecture_is_refused() -> None:
 
     with pytest.raises(SpecdecError, match="model.backend=hf"):
         LlamaArgs.from_hf(GPT2Config())
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen2"])  # qwen2: q/k/v biases
+def test_fused_cpu_layers_match_torch(load_tiny: Callable[..., LoadedModel], model_type: str) -> None:
+    """matmul=numba runs passes of up to MAX_ROWS tokens through cpu_layer.layer_forward: after the same
+    prefill, single tokens, odd and even chains and a token tree give the torch model's logits and
+    leave the same K/V in the cache."""
+    ref_model, fused_model = load_tiny(model_type, matmul="torch"), load_tiny(model_type, matmul="numba")
+    assert any(type(m).__name__ == "FusedBlock" for m in fused_model.model.modules())
+    ids = random_ids(30, VOCAB, seed=7)
+    tree = torch.tensor([[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 0, 1, 0, 0], [1, 1, 0, 1, 0], [1, 0, 1, 0, 1]],
+                        dtype=torch.bool)
+    engines = [StaticEngine(m.model, 64, prefill_chunk=8) for m in (ref_model, fused_model)]
+    outs: list[list[Tensor]] = [[], []]
+    for engine, out in zip(engines, outs):
+        engine.prefill(ids[:11])
+        out.append(engine.forward(torch.tensor(ids[11:12])).logits)  # one token, no mask
+        out.append(engine.forward(torch.tensor(ids[12:15])).logits)  # odd chain
+        out.append(engine.forward(torch.tensor(ids[15:19])).logits)  # even chain
+        out.append(engine.forward(torch.tensor(ids[19:24]), depth=torch.tensor([0, 1, 1, 2, 2]), mask=tree).logits)
+    for a, b in zip(*outs):
+        torch.testing.assert_close(b, a, atol=ATOL, rtol=1e-4)
+    for a, b in zip(filled(engines[0]), filled(engines[1])):
+        torch.testing.assert_close(b, a, atol=ATOL, rtol=1e-4)

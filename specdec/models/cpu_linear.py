@@ -1,10 +1,11 @@
-"""A CPU linear layer that runs its matrix products through NumPy's BLAS.
+"""CPU linear layers that run their matrix products outside torch: NumPy's BLAS, or numba kernels.
 
 Why: decoding one token is a chain of matrix-vector products that only memory bandwidth limits.
 On the 2-core machines we measure on, torch's MKL GEMV streamed weights at about 13 GB/s (one core),
 while OpenBLAS through NumPy reached about 20 GB/s (both cores); a SmolLM2-135M decode step went from
 about 66 ms to about 46 ms. torch's own thread pool must then run single-threaded, or its spinning
 OpenMP workers fight OpenBLAS for the two cores (see `LoadedModel.torch_threads`).
+BLAS is still slow for 2 to 24 rows (verification passes); `NumbaLinear` fixes that (see cpu_kernels).
 """
 
 from __future__ import annotations
@@ -15,6 +16,9 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
+from specdec.models import cpu_kernels
+from specdec.models.cpu_layer import use_fused_blocks, use_plain_blocks
+
 
 class NumpyLinear(nn.Module):
     def __init__(self, linear: nn.Linear) -> None:
@@ -23,6 +27,11 @@ class NumpyLinear(nn.Module):
         self.weight_t: np.ndarray = linear.weight.detach().t().contiguous().numpy()
         self.bias = None if linear.bias is None else linear.bias.detach()
         self.out_features = self.weight_t.shape[1]
+
+    @property
+    def weight(self) -> Tensor:
+        """(out, in), as nn.Linear has it: a view of weight_t, no copy."""
+        return torch.from_numpy(self.weight_t).t()
 
     def forward(self, x: Tensor) -> Tensor:
         flat = x.reshape(-1, x.shape[-1]).numpy()  # (M, in)
@@ -34,6 +43,23 @@ class NumpyLinear(nn.Module):
         return y if self.bias is None else y + self.bias
 
 
+class NumbaLinear(nn.Module):
+    """x @ W^T through specdec's few-row kernels; W stays in torch's (out, in) layout and memory
+    (no copy, so tied embeddings stay shared)."""
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        self.weight = linear.weight.detach()  # (out, in)
+        self.weight_np: np.ndarray = self.weight.contiguous().numpy()
+        self.bias = None if linear.bias is None else linear.bias.detach()
+        self.out_features = self.weight_np.shape[0]
+
+    def forward(self, x: Tensor) -> Tensor:
+        flat = np.ascontiguousarray(x.reshape(-1, x.shape[-1]).numpy())  # (M, in)
+        y = torch.from_numpy(cpu_kernels.matmul_wt(flat, self.weight_np)).view(*x.shape[:-1], self.out_features)
+        return y if self.bias is None else y + self.bias
+
+
 def padded_rows(rows: int) -> int:
     """Row count to run a GEMM at. Measured on this project's 2-core machines (SmolLM2-135M's
     matrices, OpenBLAS): 1 row 24 ms, 2-7 rows 48-78 ms, 8 rows 45 ms, 16 rows 61 ms, 24 rows 69 ms,
@@ -41,23 +67,30 @@ def padded_rows(rows: int) -> int:
     return rows if rows == 1 or rows % 8 == 0 else (rows + 7) // 8 * 8
 
 
-def use_numpy_linears(module: nn.Module) -> int:
-    """Swap every fp32 CPU nn.Linear below `module` for a NumpyLinear; returns how many were swapped."""
+def use_numpy_linears(module: nn.Module, kind: type[nn.Module] = NumpyLinear) -> int:
+    """Swap every fp32 CPU nn.Linear below `module` for `kind` (NumpyLinear or NumbaLinear);
+    returns how many were swapped."""
     swapped = 0
     for name, child in module.named_children():
         if isinstance(child, nn.Linear) and child.weight.dtype == torch.float32 and child.weight.device.type == "cpu":
-            setattr(module, name, NumpyLinear(child))
+            setattr(module, name, kind(child))
             swapped += 1
         else:
-            swapped += use_numpy_linears(child)
+            swapped += use_numpy_linears(child, kind)
     return swapped
+
+
+def use_numba_linears(module: nn.Module) -> int:
+    if not cpu_kernels.available():
+        raise ImportError("model.matmul=numba needs the numba package: pip install numba")
+    return use_numpy_linears(module, NumbaLinear)
 
 
 def use_torch_linears(module: nn.Module) -> None:
     """Undo use_numpy_linears (rebuilding nn.Linear from the transposed copies)."""
     for name, child in module.named_children():
-        if isinstance(child, NumpyLinear):
-            w = torch.from_numpy(child.weight_t).t().contiguous()
+        if isinstance(child, NumpyLinear | NumbaLinear):
+            w = child.weight if isinstance(child, NumbaLinear) else torch.from_numpy(child.weight_t).t().contiguous()
             lin = nn.Linear(w.shape[1], w.shape[0], bias=child.bias is not None, device="meta")
             lin.weight = nn.Parameter(w, requires_grad=False)
             if child.bias is not None:
@@ -67,32 +100,54 @@ def use_torch_linears(module: nn.Module) -> None:
             use_torch_linears(child)
 
 
-def _decode_time(model: nn.Module, threads: int, steps: int) -> float:
+def _step_time(model: nn.Module, threads: int, steps: int, width: int) -> float:
+    """Seconds for `steps` forward passes over `width` new tokens each, after one warm-up pass."""
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        cache = model.new_cache(steps + 1)  # type: ignore[operator]
-        tok = torch.zeros(1, 1, dtype=torch.long, device=model.device)  # type: ignore[arg-type]
+        cache = model.new_cache((steps + 1) * width)  # type: ignore[operator]
+        tok = torch.zeros(1, width, dtype=torch.long, device=model.device)  # type: ignore[arg-type]
+        pos = torch.arange(width, device=tok.device)[None]  # (1, width)
         with torch.inference_mode():
-            model(tok, torch.zeros_like(tok), cache)  # warm-up: first touches of buffers
+            model(tok, pos, cache)  # warm-up: first touches of buffers, kernel compilation
             start = time.perf_counter()
             for i in range(steps):
-                model(tok, torch.full_like(tok, i + 1), cache)
+                model(tok, pos + (i + 1) * width, cache)
             return time.perf_counter() - start
     finally:
         torch.set_num_threads(before)
 
 
-def pick_faster_linears(model: nn.Module, steps: int = 6) -> bool:
-    """Time single-token decode steps with torch's GEMV and with NumPy's; keep NumPy only if faster.
+MATMULS = ("torch", "numpy", "numba")
+
+
+def use_matmul(model: nn.Module, kind: str) -> None:
+    """Run `model`'s linears (and, for numba, whole decoder layers) the named way: torch, numpy, numba."""
+    use_plain_blocks(model)
+    use_torch_linears(model)
+    if kind == "numpy":
+        use_numpy_linears(model)
+    elif kind == "numba":
+        use_numba_linears(model)
+        use_fused_blocks(model)
+
+
+def pick_faster_linears(model: nn.Module, steps: int = 4) -> str:
+    """Time one-token decode steps and 4-token verification passes with each available matmul
+    (torch, NumPy's BLAS, numba kernels), keep the fastest in total and return its name.
 
     Measured rather than assumed: OpenBLAS's two threads win on an idle 2-core machine but lose
     badly when another process holds a core, and other CPUs and BLAS builds differ again.
     """
-    t_torch = _decode_time(model, torch.get_num_threads(), steps)
-    use_numpy_linears(model)
-    t_numpy = _decode_time(model, 1, steps)
-    if t_numpy < 0.95 * t_torch:
-        return True
-    use_torch_linears(model)
-    return False
+    times: dict[str, float] = {}
+    for kind in MATMULS:
+        if kind == "numba" and not cpu_kernels.available():
+            continue
+        use_matmul(model, kind)
+        threads = torch.get_num_threads() if kind == "torch" else 1
+        times[kind] = sum(_step_time(model, threads, steps, width) for width in (1, 4))
+    best = min(times, key=times.__getitem__)
+    if times["torch"] <= 1.05 * times[best]:
+        best = "torch"  # within noise: keep the plain torch model
+    use_matmul(model, best)
+    return best

@@ -9,7 +9,8 @@ from typing import Any
 import torch
 
 from specdec.errors import SpecdecError
-from specdec.models.cpu_linear import pick_faster_linears, use_numpy_linears
+from specdec.models import cpu_kernels
+from specdec.models.cpu_linear import MATMULS, pick_faster_linears, use_matmul
 from specdec.models.gguf import cached_gguf_folder
 from specdec.models.llama import SUPPORTED_TYPES, Llama, LlamaArgs
 from specdec.models.smollm2 import smollm2_folder
@@ -102,6 +103,7 @@ class LoadedModel:
     trust_remote_code: bool = False
     eos_ids: tuple[int, ...] = ()
     torch_threads: int | None = None  # torch's thread count while our model runs (None: leave it)
+    matmul: str = "torch"  # what runs the linear layers: torch, numpy (BLAS) or numba (specdec's kernels)
     _hf: Any = field(default=None, repr=False)
 
     @property
@@ -165,20 +167,28 @@ def load_model(name: str, path: str, backend: str = "compact", dtype: str = "fp3
         raise SpecdecError(f"unknown model.backend {backend!r}; use compact or hf")
     if backend == "compact" and config.model_type not in SUPPORTED_TYPES:
         backend = "hf"  # other architectures run through transformers, chain strategies only
-    threads = None
+    threads, kind = None, "torch"
     if backend == "compact":
         with torch.device("meta"):
             model = Llama(LlamaArgs.from_hf(config))
         state = {k: v.to(dtype=dt, device=dev) for k, v in _load_safetensors(folder).items()}
         model.load_hf_state_dict(state)
         model.eval().requires_grad_(False)
-        if matmul not in ("auto", "torch", "numpy"):
-            raise SpecdecError(f"unknown model.matmul {matmul!r}; use auto, torch or numpy")
-        if matmul == "numpy":
-            use_numpy_linears(model)
-            threads = 1
-        elif matmul == "auto" and dev.type == "cpu" and dt == torch.float32 and pick_faster_linears(model):
-            threads = 1
+        if matmul not in ("auto", *MATMULS):
+            raise SpecdecError(f"unknown model.matmul {matmul!r}; use auto, {', '.join(MATMULS)}")
+        cpu32 = dev.type == "cpu" and dt == torch.float32
+        if matmul in ("numpy", "numba") and not cpu32:
+            raise SpecdecError(f"model.matmul={matmul} runs fp32 on the CPU only; use model.matmul=torch "
+                               f"for {dtype} on {dev.type}")
+        if matmul == "numba" and not cpu_kernels.available():
+            raise SpecdecError("model.matmul=numba needs the numba package: pip install numba "
+                               "(or use model.matmul=auto)")
+        if matmul == "auto":
+            kind = pick_faster_linears(model) if cpu32 else "torch"
+        else:
+            kind = matmul
+            use_matmul(model, kind)
+        threads = 1 if kind != "torch" else None
     else:
         model = AutoModelForCausalLM.from_pretrained(folder, dtype=dt, use_safetensors=True,
                                                      trust_remote_code=trust_remote_code).to(dev).eval()
@@ -191,7 +201,7 @@ def load_model(name: str, path: str, backend: str = "compact", dtype: str = "fp3
     if tokenizer.eos_token_id is not None:
         eos.append(tokenizer.eos_token_id)
     return LoadedModel(name, folder, tokenizer, model, backend, dt, dev, trust_remote_code,
-                       tuple(dict.fromkeys(eos)), threads)
+                       tuple(dict.fromkeys(eos)), threads, kind)
 
 
 
