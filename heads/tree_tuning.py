@@ -189,7 +189,7 @@ def measured_cost_curve(target: LoadedModel, sizes: Sequence[int], context: int 
     """Time target passes over each number of tokens (a tree plus its root) on this machine, relative to one.
 
     Measured rather than assumed because the curve is a property of the hardware and BLAS: on 2 CPU
-    cores GEMMs are padded to 8 rows, so 2 to 8 tokens cost about the same; on a GPU it is nearly flat.
+    cores a pass over 8 tokens costs about twice one over a single token; on a GPU it is nearly flat.
     """
     engine = StaticEngine(target.model, context + max(sizes) + 2)
     with torch_threads(target.torch_threads):
