@@ -34,7 +34,7 @@ from torch import Tensor
 
 from specdec.cli_checks import CONFIG_DIR
 from specdec.data import default_suite
-from specdec.engine.engine import StaticEngine, verification_cost
+from specdec.engine.engine import StaticEngine, pass_cost_curve
 from specdec.errors import SpecdecError
 from specdec.models.loader import LoadedModel
 from specdec.strategies.base import torch_threads
@@ -193,7 +193,7 @@ def measured_cost_curve(target: LoadedModel, sizes: Sequence[int], context: int 
     """
     engine = StaticEngine(target.model, context + max(sizes) + 2)
     with torch_threads(target.torch_threads):
-        return {n: 1.0 if n == 1 else verification_cost(engine, n, context, reps) for n in sizes}
+        return pass_cost_curve(engine, list(sizes), context, reps)
 
 
 def pass_cost(n_tokens: int, curve: dict[int, float]) -> float:

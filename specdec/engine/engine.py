@@ -159,25 +159,33 @@ def verification_cost(engine: Engine, k: int, context: int = 128, reps: int = 5)
     """Measured time of one target pass over k new tokens relative to a pass over one.
 
     Strategies call this at start-up to decide how much drafting pays on the hardware they run
-    on (on a 2-core CPU a pass over 8 tokens costs ~1.5x one; on a GPU close to 1x).
+    on (on a 2-core CPU a pass over 8 tokens costs ~1.5-2x one; on a GPU close to 1x).
+    """
+    return pass_cost_curve(engine, [k], context, reps)[k]
+
+
+def pass_cost_curve(engine: Engine, sizes: list[int], context: int = 128, reps: int = 5) -> dict[int, float]:
+    """Time of a target pass over each number of new tokens in `sizes`, relative to one token.
+
+    The sizes are timed in interleaved rounds after a single prefill (each pass rolled back), and each
+    ratio is of medians: on a shared machine whose speed drifts by tens of percent between seconds,
+    timing one size after another made the curve zigzag.
     """
     import time
 
-    ids = [0] * min(context, engine.max_len - k - 1)
-
-    def timed(n: int) -> float:
-        samples = []
-        for _ in range(reps):
-            engine.prefill(ids)
-            # one untimed step first: right after a prefill BLAS's threads may still spin on the cores
-            engine.forward(torch.zeros(1, dtype=torch.long))
-            engine.rollback(len(ids))
+    ids = [0] * min(context, engine.max_len - max(sizes) - 1)
+    engine.prefill(ids)
+    order = [1, *(n for n in dict.fromkeys(sizes) if n != 1)]
+    samples: dict[int, list[float]] = {n: [] for n in order}
+    for n in order:  # warm-up: first calls compile kernels and touch buffers
+        engine.forward(torch.zeros(n, dtype=torch.long))
+        engine.rollback(len(ids))
+    for _ in range(reps):
+        for n in order:
             start = time.perf_counter()
             engine.forward(torch.zeros(n, dtype=torch.long))
-            samples.append(time.perf_counter() - start)
-        return sorted(samples)[reps // 2]
-
-    timed(1)  # warm-up
-    ratio = timed(k) / timed(1)
+            samples[n].append(time.perf_counter() - start)
+            engine.rollback(len(ids))
     engine.reset()
-    return ratio
+    median = {n: sorted(t)[len(t) // 2] for n, t in samples.items()}
+    return {n: median[n] / median[1] for n in sizes}
