@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import resource
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -28,6 +27,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from specdec.cli_checks import CONFIG_DIR
 from specdec.data import default_suite
+from specdec.engine.engine import pass_times
 from specdec.errors import SpecdecError
 from specdec.models.loader import LoadedModel
 from specdec.strategies.base import GenerationParams, Strategy, make_engine, torch_threads
@@ -64,21 +64,12 @@ def weight_bytes(model: torch.nn.Module) -> int:
 
 
 def verification_curve(target: LoadedModel, ks: list[int], context: int, reps: int) -> dict[int, float]:
-    """ms of one target pass over k new tokens after `context` cached tokens (median of reps)."""
+    """ms of one target pass over k new tokens after `context` cached tokens (median of reps, sizes interleaved)."""
     engine = make_engine(target, context + max(ks) + 1, 512)
     vocab = target.vocab_size
     ids = [(i * 7919) % (vocab - 1) + 1 for i in range(context)]
-    engine.prefill(ids)
-    out: dict[int, float] = {}
     with torch_threads(target.torch_threads), torch.inference_mode():
-        for k in [ks[0], *ks]:  # the first size twice: the first pass warms buffers
-            tokens = (torch.arange(k) + 100) % vocab
-            samples = []
-            for _ in range(reps):
-                samples.append(_timed(lambda t=tokens: engine.forward(t)))
-                engine.rollback(context)
-            out[k] = statistics.median(samples) * 1e3
-    return out
+        return {k: t * 1e3 for k, t in pass_times(engine, ids, ks, reps).items()}
 
 
 def compare_greedy(strategies: dict[str, Strategy], target: LoadedModel, prompts: list[list[int]],

@@ -170,3 +170,15 @@ def test_fused_cpu_layers_match_torch(load_tiny: Callable[..., LoadedModel], mod
         torch.testing.assert_close(b, a, atol=ATOL, rtol=1e-4)
     for a, b in zip(filled(engines[0]), filled(engines[1])):
         torch.testing.assert_close(b, a, atol=ATOL, rtol=1e-4)
+
+
+def test_fused_cpu_pass_is_batch_invariant(load_tiny: Callable[..., LoadedModel]) -> None:
+    """With matmul=numba a pass over several chained tokens gives bitwise the logits that one-token
+    steps give, so speculative verification decides on exactly the numbers greedy decoding sees."""
+    model = load_tiny("llama", matmul="numba").model
+    ids = random_ids(20, VOCAB, seed=8)
+    one, many = StaticEngine(model, 64, prefill_chunk=8), StaticEngine(model, 64, prefill_chunk=8)
+    one.prefill(ids[:12])
+    many.prefill(ids[:12])
+    steps = torch.cat([one.forward(torch.tensor([t])).logits for t in ids[12:]])
+    assert torch.equal(many.forward(torch.tensor(ids[12:])).logits, steps)

@@ -19,7 +19,8 @@ from specdec.models.loader import LoadedModel
 from specdec.ngram import NGramIndex, candidates_to_tree, continuation, lookup
 from specdec.strategies.base import GenerationParams
 from specdec.strategies.greedy import Greedy
-from specdec.strategies.prompt_lookup import PromptLookup
+from specdec.strategies.prompt_lookup import PromptLookup, PromptLookupProposer
+from specdec.verify import Verdict
 
 # --- naive references --------------------------------------------------------------------------
 
@@ -239,3 +240,28 @@ def test_bad_parameters_fail_in_one_line(tiny_target: LoadedModel, bad: dict) ->
     with pytest.raises(SpecdecError) as err:
         make()
     assert "\n" not in str(err.value)
+
+
+def test_draft_length_follows_measured_costs_and_acceptance() -> None:
+    """The gate drafts the length that maximises expected tokens per unit of pass time: everything the
+    cap allows when passes are free, nothing when a pass over 2 tokens costs as much as 3 steps, and
+    nothing once this turn's drafts for a match length keep failing at their first token."""
+    def proposer(costs: dict[int, float] | None) -> PromptLookupProposer:
+        return PromptLookupProposer(1, 3, 6, 1, 2, False, 256, costs)
+
+    flat = {r: 1.0 for r in range(1, 8)}
+    assert proposer(None).best_length(2, 6) == 6
+    assert proposer(flat).best_length(2, 6) == 6
+    assert proposer({r: 3.0 if r > 1 else 1.0 for r in range(1, 8)}).best_length(2, 6) == 0
+    cpu_like = {1: 1.0, 2: 1.3, 3: 1.5, 4: 1.7, 5: 1.9, 6: 2.1, 7: 2.3}
+    p = proposer(cpu_like)
+    assert p.best_length(2, 6) > 0
+    for _ in range(10):  # drafts at n = 2 that were all rejected at depth 1
+        p._n, p._drafted = 2, 3
+        p.commit(None, Verdict(nodes=[], tokens=[5]), None)  # type: ignore[arg-type]
+    assert p.best_length(2, 6) == 0
+    assert p.best_length(3, 6) > 0  # other match lengths keep their own record
+    for _ in range(10):  # and at n = 3 every draft of 4 was accepted whole
+        p._n, p._drafted = 3, 4
+        p.commit(None, Verdict(nodes=[0, 1, 2, 3], tokens=[5, 6, 7, 8, 9]), None)  # type: ignore[arg-type]
+    assert p.best_length(3, 6) >= 4

@@ -165,17 +165,22 @@ def verification_cost(engine: Engine, k: int, context: int = 128, reps: int = 5)
 
 
 def pass_cost_curve(engine: Engine, sizes: list[int], context: int = 128, reps: int = 5) -> dict[int, float]:
-    """Time of a target pass over each number of new tokens in `sizes`, relative to one token.
+    """Time of a target pass over each number of new tokens in `sizes`, relative to one token."""
+    times = pass_times(engine, [0] * min(context, engine.max_len - max(sizes) - 1), [1, *sizes], reps)
+    return {n: times[n] / times[1] for n in sizes}
 
-    The sizes are timed in interleaved rounds after a single prefill (each pass rolled back), and each
-    ratio is of medians: on a shared machine whose speed drifts by tens of percent between seconds,
-    timing one size after another made the curve zigzag.
+
+def pass_times(engine: Engine, ids: list[int], sizes: list[int], reps: int = 5) -> dict[int, float]:
+    """Median seconds of a target pass over each number of new tokens in `sizes`, after `ids` are cached.
+
+    The sizes are timed in interleaved rounds after a single prefill (each pass rolled back): on a
+    shared machine whose speed drifts by tens of percent between seconds, timing one size after
+    another made the curve zigzag.
     """
     import time
 
-    ids = [0] * min(context, engine.max_len - max(sizes) - 1)
     engine.prefill(ids)
-    order = [1, *(n for n in dict.fromkeys(sizes) if n != 1)]
+    order = list(dict.fromkeys(sizes))
     samples: dict[int, list[float]] = {n: [] for n in order}
     for n in order:  # warm-up: first calls compile kernels and touch buffers
         engine.forward(torch.zeros(n, dtype=torch.long))
@@ -187,5 +192,4 @@ def pass_cost_curve(engine: Engine, sizes: list[int], context: int = 128, reps: 
             samples[n].append(time.perf_counter() - start)
             engine.rollback(len(ids))
     engine.reset()
-    median = {n: sorted(t)[len(t) // 2] for n, t in samples.items()}
-    return {n: median[n] / median[1] for n in sizes}
+    return {n: sorted(t)[len(t) // 2] for n, t in samples.items()}

@@ -8,7 +8,7 @@ are verified together as a small token tree.
 
 from __future__ import annotations
 
-from specdec.engine.engine import ForwardOut, verification_cost
+from specdec.engine.engine import ForwardOut, pass_cost_curve
 from specdec.errors import SpecdecError
 from specdec.models.loader import LoadedModel
 from specdec.ngram import NGramIndex, as_tokens, candidates_to_tree, lookup, match_length
@@ -22,7 +22,7 @@ class PromptLookupProposer:
     accepted prefix otherwise (copy runs are long or absent, rarely in between)."""
 
     def __init__(self, ngram_min: int, ngram_max: int, num_draft_tokens: int, num_candidates: int,
-                 min_draft_tokens: int, adaptive: bool, max_len: int, min_expected: float = 0.0) -> None:
+                 min_draft_tokens: int, adaptive: bool, max_len: int, costs: dict[int, float] | None = None) -> None:
         self.index = NGramIndex(ngram_min, ngram_max)
         self.max_k = num_draft_tokens
         self.min_k = min(min_draft_tokens, num_draft_tokens)
@@ -31,12 +31,34 @@ class PromptLookupProposer:
         self.max_len = max_len
         self.k = num_draft_tokens
         self._drafted = 0  # depth of the last proposal
-        # Drafting pays only if the tokens it is expected to add exceed the extra cost of verifying
-        # (measured cost ratio - 1). Expected acceptance is learned per match length n, starting
-        # optimistic so every n gets tried.
-        self.min_expected = min_expected
-        self._acc = {n: [1.0, 1] for n in range(ngram_min, ngram_max + 1)}  # n -> [accepted sum, count]
+        # costs: time of a pass over r tokens relative to one, measured on this hardware (None: draft
+        # whatever the cap allows). With it each step drafts the length that maximises expected tokens
+        # per unit of time, from this turn's acceptance statistics per match length n: of the drafts
+        # that reached depth i, how many had token i accepted (tried[n][i], hit[n][i]).
+        self.costs = costs
+        size = num_draft_tokens + 1
+        self._tried = {n: [0] * size for n in range(ngram_min, ngram_max + 1)}
+        self._hit = {n: [0] * size for n in range(ngram_min, ngram_max + 1)}
         self._n = 0
+
+    def best_length(self, n: int, cap: int) -> int:
+        """Draft length in 0..cap maximising (1 + E[accepted]) / cost(pass); 0 means do not draft.
+
+        E[accepted] for length k sums P(the first i drafted tokens are all accepted) over i <= k, each
+        conditional factor estimated as (hits + 2) / (tries + 3): optimistic at first, so that drafting
+        gets tried, and then this turn's own record (copy runs differ a lot between texts).
+        """
+        if self.costs is None:
+            return cap
+        best, best_value = 0, 1.0
+        survive, expected = 1.0, 0.0
+        for k in range(1, cap + 1):
+            survive *= (self._hit[n][k] + 2) / (self._tried[n][k] + 3)
+            expected += survive
+            value = (1.0 + expected) / self.costs[1 + k * self.num]
+            if value > best_value:
+                best, best_value = k, value
+        return best
 
     def start(self, state: DecodeState, out: ForwardOut) -> None:
         self.index.extend(state.ids)
@@ -50,15 +72,17 @@ class PromptLookupProposer:
         self._drafted = 0
         if k < 1:
             return None
+        n = match_length(state.ids, self.index)
+        if n == 0:
+            return None
+        k = self.best_length(n, k)
+        if k < 1:
+            return None
         found = lookup(state.ids, self.index, k, self.num)
         if not found:
             return None
-        n = match_length(state.ids, self.index)
-        total, count = self._acc[n]
-        if total / count <= self.min_expected:
-            return None
         self._n = n
-        self._drafted = k
+        self._drafted = max(len(c) for c in found)
         tokens, parents = candidates_to_tree(found)
         return Proposal(as_tokens(tokens), parents)
 
@@ -66,8 +90,10 @@ class PromptLookupProposer:
         if self._drafted == 0:
             return
         accepted = len(verdict.nodes)
-        self._acc[self._n][0] += accepted
-        self._acc[self._n][1] += 1
+        tried, hit = self._tried[self._n], self._hit[self._n]
+        for i in range(1, min(accepted + 1, self._drafted) + 1):  # depths whose token was put to the test
+            tried[i] += 1
+            hit[i] += i <= accepted
         if not self.adaptive:
             return
         if accepted == self._drafted:
@@ -100,10 +126,10 @@ class PromptLookup(SpeculativeStrategy):
         self.num_candidates = num_candidates
         self.min_draft_tokens = min_draft_tokens
         self.adaptive = adaptive
-        rows = 1 + num_draft_tokens * num_candidates
-        # the extra cost of a drafting pass, measured once on this hardware (see verification_cost)
-        self.min_expected = verification_cost(self.engine, rows) - 1 if gate else 0.0
+        # pass costs for every draft length, measured once on this hardware (see pass_cost_curve)
+        rows = [1 + k * num_candidates for k in range(1, num_draft_tokens + 1)]
+        self.costs = {1: 1.0, **pass_cost_curve(self.engine, rows)} if gate else None
 
     def make_proposer(self) -> Proposer:
         return PromptLookupProposer(self.ngram_min, self.ngram_max, self.num_draft_tokens, self.num_candidates,
-                                    self.min_draft_tokens, self.adaptive, self.engine.max_len, self.min_expected)
+                                    self.min_draft_tokens, self.adaptive, self.engine.max_len, self.costs)
