@@ -155,17 +155,11 @@ class HFEngine:
         self.rollback(start + len(keep))
 
 
-def verification_cost(engine: Engine, k: int, context: int = 128, reps: int = 5) -> float:
-    """Measured time of one target pass over k new tokens relative to a pass over one.
-
-    Strategies call this at start-up to decide how much drafting pays on the hardware they run
-    on (on a 2-core CPU a pass over 8 tokens costs ~1.5-2x one; on a GPU close to 1x).
-    """
-    return pass_cost_curve(engine, [k], context, reps)[k]
-
-
 def pass_cost_curve(engine: Engine, sizes: list[int], context: int = 128, reps: int = 5) -> dict[int, float]:
-    """Time of a target pass over each number of new tokens in `sizes`, relative to one token."""
+    """Time of a target pass over each number of new tokens in `sizes`, relative to one token.
+
+    Strategies call this at start-up to decide how much drafting pays on the hardware they run on
+    (on a 2-core CPU a pass over 8 tokens costs ~1.5-2x one; on a GPU close to 1x)."""
     times = pass_times(engine, [0] * min(context, engine.max_len - max(sizes) - 1), [1, *sizes], reps)
     return {n: times[n] / times[1] for n in sizes}
 

@@ -97,7 +97,3 @@ def matmul_wt(x: np.ndarray, w: np.ndarray) -> np.ndarray:
     mm_into(padded, w, y)
     return y[:rows]
 
-
-def set_threads(n: int) -> None:
-    if numba is not None:
-        numba.set_num_threads(min(n, numba.config.NUMBA_NUM_THREADS))
