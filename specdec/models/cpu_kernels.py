@@ -4,11 +4,12 @@ Why not BLAS: OpenBLAS and MKL are tuned for large GEMMs. For 2 to 8 rows they p
 matrix before multiplying, so a verification pass over a few tokens streams the weights about twice
 and costs 1.6-1.9x a one-token step, which eats most of what speculation saves. These kernels read
 each weight row once, straight from its (out, in) row-major storage, and reuse it from L1 for every
-row of x. Measured on this project's 2-core machines (SmolLM2-135M's matrices, 0.45 GB):
-one row 17 ms (26 GB/s, OpenBLAS GEMV 22 ms), 4 rows 24 ms (OpenBLAS 48), 8 rows 29 ms (OpenBLAS 38).
+row of x. Measured on this project's 2-core machines (SmolLM2-135M's 120 layer matrices, 0.45 GB,
+interleaved repeats): one row 18-19 ms (OpenBLAS GEMV 22 ms), 4 rows 19-23 ms (OpenBLAS 48), 8 rows
+28-33 ms (OpenBLAS 38), 16 rows 48-60 ms (OpenBLAS 61).
 
-Each output element is one dot product over `in`, summed in the same order whatever the number of
-rows, so a row's result does not depend on which other rows share the call.
+Each output element is one dot product over `in` computed by the same four-sum loop whatever the
+number of rows, so a row's result does not depend on which other rows share the call.
 """
 
 from __future__ import annotations
@@ -17,7 +18,9 @@ import numpy as np
 
 try:
     import numba
-    from numba import njit, prange
+    from llvmlite import ir
+    from numba import njit, prange, types
+    from numba.extending import intrinsic
 except ImportError:  # numba is a dependency, but a missing one only costs speed (matmul=auto falls back)
     numba = None
 
@@ -32,59 +35,87 @@ def available() -> bool:
 if numba is not None:
     f32 = np.float32
 
-    @njit(parallel=True, fastmath=True, cache=True)
-    def _one_row(x, w, y):  # pragma: no cover - compiled
-        # x (1, K) against weight rows 8 at a time: eight independent sums in flight
-        K = x.shape[1]
-        for b in prange(w.shape[0] // 8):
-            n = b * 8
-            a0 = f32(0.0); a1 = f32(0.0); a2 = f32(0.0); a3 = f32(0.0)  # noqa: E702
-            a4 = f32(0.0); a5 = f32(0.0); a6 = f32(0.0); a7 = f32(0.0)  # noqa: E702
-            for k in range(K):
-                v = x[0, k]
-                a0 += v * w[n, k]; a1 += v * w[n + 1, k]; a2 += v * w[n + 2, k]; a3 += v * w[n + 3, k]  # noqa: E702
-                a4 += v * w[n + 4, k]; a5 += v * w[n + 5, k]; a6 += v * w[n + 6, k]; a7 += v * w[n + 7, k]  # noqa: E702
-            y[0, n] = a0; y[0, n + 1] = a1; y[0, n + 2] = a2; y[0, n + 3] = a3  # noqa: E702
-            y[0, n + 4] = a4; y[0, n + 5] = a5; y[0, n + 6] = a6; y[0, n + 7] = a7  # noqa: E702
+    @intrinsic
+    def _f32_from_bits(typingctx, i):  # pragma: no cover - compiled
+        def codegen(context, builder, signature, args):
+            return builder.bitcast(args[0], ir.FloatType())
+        return types.float32(types.int32), codegen
+
+    @njit(fastmath=True, cache=True)
+    def fast_exp(x):  # pragma: no cover - compiled
+        """exp of a float32, relative error < 2e-7, as plain arithmetic so that loops over it vectorise.
+
+        numba's np.exp calls libm one element at a time (~5 ns; this LLVM has no SVML): that was
+        most of the cost of attention's softmax and the MLP's SiLU. Here exp(x) = 2^n e^r with
+        n = round(x / ln 2), |r| <= ln(2) / 2 (ln 2 split in two for an exact n ln 2), e^r by its
+        degree-7 series, and 2^n built from its exponent bits. Inputs are clamped to [-87, 88].
+        """
+        x = min(max(x, f32(-87.0)), f32(88.0))
+        n = np.floor(x * f32(1.4426950408889634) + f32(0.5))
+        r = x - n * f32(0.693145751953125) - n * f32(1.428606765330187e-06)
+        p = f32(1.0) + r * (f32(1.0) + r * (f32(0.5) + r * (f32(1.0 / 6) + r * (f32(1.0 / 24) + r * (
+            f32(1.0 / 120) + r * (f32(1.0 / 720) + r * f32(1.0 / 5040)))))))
+        return p * _f32_from_bits((np.int32(n) + np.int32(127)) << np.int32(23))
+
+    # Every kernel below keeps exactly four sums in its inner loop. LLVM shapes a vectorised dot product
+    # (how many vector accumulators, how the tail is added) by the kernel's register pressure, and the
+    # shape decides the rounding: with four sums in every kernel, a row's dot products come out bitwise
+    # the same whichever kernel computes them (tests/test_model.py checks), so a token's logits do not
+    # depend on how many tokens share its pass, which lossless speculation relies on.
 
     @njit(parallel=True, fastmath=True, cache=True)
-    def _row_pairs(x, w, y):  # pragma: no cover - compiled
-        # x (M, K), M even, against weight rows 4 at a time: each weight element loaded once per row pair,
-        # the 4 rows staying in L1 while every pair passes over them
-        M, K = x.shape
-        for b in prange(w.shape[0] // 8 * 2):
+    def _one_row(x, w, y):  # pragma: no cover - compiled
+        # x (1, K) against weight rows four at a time; a ragged last block repeats row N - 1 (the
+        # compiler cannot know that, so it keeps four sums) and writes only the rows it owns
+        K = x.shape[1]
+        N = w.shape[0]
+        last = N - 1
+        for b in prange((N + 3) // 4):
             n = b * 4
-            for m in range(0, M, 2):
-                a0 = f32(0.0); a1 = f32(0.0); a2 = f32(0.0); a3 = f32(0.0)  # noqa: E702
-                b0 = f32(0.0); b1 = f32(0.0); b2 = f32(0.0); b3 = f32(0.0)  # noqa: E702
-                for k in range(K):
-                    u = x[m, k]
-                    v = x[m + 1, k]
-                    w0 = w[n, k]; w1 = w[n + 1, k]; w2 = w[n + 2, k]; w3 = w[n + 3, k]  # noqa: E702
-                    a0 += u * w0; a1 += u * w1; a2 += u * w2; a3 += u * w3  # noqa: E702
-                    b0 += v * w0; b1 += v * w1; b2 += v * w2; b3 += v * w3  # noqa: E702
-                y[m, n] = a0; y[m, n + 1] = a1; y[m, n + 2] = a2; y[m, n + 3] = a3  # noqa: E702
-                y[m + 1, n] = b0; y[m + 1, n + 1] = b1; y[m + 1, n + 2] = b2; y[m + 1, n + 3] = b3  # noqa: E702
+            n1, n2, n3 = min(n + 1, last), min(n + 2, last), min(n + 3, last)
+            a0 = f32(0.0); a1 = f32(0.0); a2 = f32(0.0); a3 = f32(0.0)  # noqa: E702
+            for k in range(K):
+                v = x[0, k]
+                a0 += v * w[n, k]; a1 += v * w[n1, k]; a2 += v * w[n2, k]; a3 += v * w[n3, k]  # noqa: E702
+            y[0, n] = a0
+            if n + 3 < N:
+                y[0, n1] = a1; y[0, n2] = a2; y[0, n3] = a3  # noqa: E702
+            elif n + 2 < N:
+                y[0, n1] = a1; y[0, n2] = a2  # noqa: E702
+            elif n + 1 < N:
+                y[0, n1] = a1
+
+    @njit(parallel=True, fastmath=True, cache=True)
+    def _row_quads(x, w, y):  # pragma: no cover - compiled
+        # x (M, K), M a multiple of 4. Each block of four weight rows is streamed once; every group of
+        # four rows of x then passes over it in L1, one weight row at a time. One sequential stream
+        # per thread keeps the prefetcher ahead while the FMAs run: measured on SmolLM2's matrices,
+        # 4 rows cost ~1.1x one row, against ~1.4x for the earlier 2x4 tiles.
+        M, K = x.shape
+        N = w.shape[0]
+        for b in prange((N + 3) // 4):
+            for m in range(0, M, 4):
+                for n in range(b * 4, min(b * 4 + 4, N)):
+                    a0 = f32(0.0); a1 = f32(0.0); a2 = f32(0.0); a3 = f32(0.0)  # noqa: E702
+                    for k in range(K):
+                        v = w[n, k]
+                        a0 += x[m, k] * v; a1 += x[m + 1, k] * v; a2 += x[m + 2, k] * v; a3 += x[m + 3, k] * v  # noqa: E702
+                    y[m, n] = a0; y[m + 1, n] = a1; y[m + 2, n] = a2; y[m + 3, n] = a3  # noqa: E702
 
     @njit(fastmath=True, cache=True)
     def mm_into(x, w, y):  # pragma: no cover - compiled
-        """y (M, N) = x (M, K) @ w (N, K)^T for M == 1 or M even (callers pad odd M with a zero row).
-
-        Every output is one vectorised dot product over K whichever loop computes it (checked by
-        tests/test_model.py), so a row's result does not depend on the other rows in the call.
-        """
-        M = x.shape[0]
-        N = w.shape[0]
-        if M == 1:
+        """y (M, N) = x (M, K) @ w (N, K)^T for M of 1 or a multiple of 4 (see `kernel_rows`)."""
+        if x.shape[0] == 1:
             _one_row(x, w, y)
+        elif x.shape[0] % 4:
+            raise ValueError("mm_into takes 1 or a multiple of 4 rows; pad with cpu_kernels.kernel_rows")
         else:
-            _row_pairs(x, w, y)
-        for n in range(N - N % 8, N):  # the ragged end, the same way for any M
-            for m in range(M):
-                a = f32(0.0)
-                for k in range(x.shape[1]):
-                    a += x[m, k] * w[n, k]
-                y[m, n] = a
+            _row_quads(x, w, y)
+
+
+def kernel_rows(rows: int) -> int:
+    """Rows `mm_into` takes for `rows` rows of x: 1, or the next multiple of 4 (zero rows added)."""
+    return rows if rows == 1 else (rows + 3) // 4 * 4
 
 
 def matmul_wt(x: np.ndarray, w: np.ndarray) -> np.ndarray:
@@ -92,7 +123,8 @@ def matmul_wt(x: np.ndarray, w: np.ndarray) -> np.ndarray:
     rows = x.shape[0]
     if rows > MAX_ROWS:
         return x @ w.T  # BLAS GEMM with a transposed operand: no copy of w
-    padded = x if rows == 1 or rows % 2 == 0 else np.concatenate([x, np.zeros((1, x.shape[1]), dtype=np.float32)])
+    pad = kernel_rows(rows) - rows
+    padded = np.concatenate([x, np.zeros((pad, x.shape[1]), dtype=np.float32)]) if pad else x
     y = np.empty((padded.shape[0], w.shape[0]), dtype=np.float32)
     mm_into(padded, w, y)
     return y[:rows]

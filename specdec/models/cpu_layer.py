@@ -22,9 +22,9 @@ from specdec.models.llama import Block
 if cpu_kernels.available():
     from numba import njit, prange
 
-    from specdec.models.cpu_kernels import mm_into
+    from specdec.models.cpu_kernels import fast_exp, mm_into
 
-    @njit(fastmath=True, cache=True)
+    @njit(fastmath=True, error_model="numpy", cache=True)
     def _rms_norm(x, weight, eps, out):  # pragma: no cover - compiled
         for t in range(x.shape[0]):
             ss = np.float32(0.0)
@@ -34,11 +34,65 @@ if cpu_kernels.available():
             for i in range(x.shape[1]):
                 out[t, i] = weight[i] * (x[t, i] * scale)
 
-    @njit(parallel=True, fastmath=True, cache=True)
-    def _attend(qkv, rope, keys, values, start, mask, use_mask, n_heads, n_kv, head_dim, out):  # pragma: no cover
-        # qkv (T', (H + 2 Hkv) D) rows of new tokens; rope (T, D/2, 2) cos/sin; keys, values (Hkv, S_max, D).
-        # Rotates q and k (adjacent pairs: llama.py permutes wq/wk at load), writes k, v at start..start+T,
-        # then out[t, h*D:(h+1)*D] = softmax(q k^T / sqrt(D)) v over the slots mask[t] allows.
+    # Every fast-math flag but reassociation: a sum over cache slots must add them in slot order
+    # whatever their number, or a token's output would depend on how many tokens share its pass.
+    _IN_ORDER = {"nnan", "ninf", "nsz", "arcp", "contract", "afn"}
+    _MASKED = np.float32(-1e30)  # a finite "minus infinity": fast-math code may assume no infinities
+
+    @njit(fastmath=_IN_ORDER, cache=True)
+    def _sum_in_order(x, n):  # pragma: no cover - compiled
+        total = np.float32(0.0)
+        for j in range(n):
+            total += x[j]
+        return total
+
+    @njit(fastmath=True, cache=True)
+    def _scores(q, keys, n, out):  # pragma: no cover - compiled
+        # out[j] = q . keys[j] for j < n, four slots per pass so each load of q serves four products.
+        # Every slot goes through the same four-wide code (the last block repeats slot n - 1), so a
+        # slot's score does not depend on n.
+        last = n - 1
+        for j in range(0, n, 4):
+            j1, j2, j3 = min(j + 1, last), min(j + 2, last), min(j + 3, last)
+            a0 = np.float32(0.0); a1 = np.float32(0.0); a2 = np.float32(0.0); a3 = np.float32(0.0)  # noqa: E702
+            for d in range(q.shape[0]):
+                v = q[d]
+                a0 += v * keys[j, d]; a1 += v * keys[j1, d]; a2 += v * keys[j2, d]; a3 += v * keys[j3, d]  # noqa: E702
+            out[j] = a0
+            if j + 1 < n:
+                out[j1] = a1
+            if j + 2 < n:
+                out[j2] = a2
+            if j + 3 < n:
+                out[j3] = a3
+
+    @njit(fastmath=_IN_ORDER, cache=True)
+    def _weigh_values(p, values, n, acc):  # pragma: no cover - compiled
+        # acc (D) += sum_j p[j] values[j] over j < n, one fused multiply-add per slot in slot order
+        # (no reassociation), four slots per load and store of acc: storing acc after every slot
+        # made this loop store-bound.
+        j = 0
+        while j + 4 <= n:
+            p0, p1, p2, p3 = p[j], p[j + 1], p[j + 2], p[j + 3]
+            for d in range(acc.shape[0]):
+                a = acc[d] + p0 * values[j, d]
+                a = a + p1 * values[j + 1, d]
+                a = a + p2 * values[j + 2, d]
+                acc[d] = a + p3 * values[j + 3, d]
+            j += 4
+        while j < n:
+            p0 = p[j]
+            for d in range(acc.shape[0]):
+                acc[d] = acc[d] + p0 * values[j, d]
+            j += 1
+
+    @njit(parallel=True, fastmath=True, error_model="numpy", cache=True)
+    def _attend(qkv, rope, keys, values, start, mask, use_mask, n_heads, n_kv, head_dim, out, probs):  # pragma: no cover
+        # qkv (T', (H + 2 Hkv) D) rows of new tokens; rope (T, D/2, 2) cos/sin; keys, values (Hkv, S_max, D);
+        # probs (T H, >= S) scratch. Rotates q and k (adjacent pairs: llama.py permutes wq/wk at load),
+        # writes k, v at start..start+T, then out[t, h*D:(h+1)*D] = softmax(q k^T / sqrt(D)) v over
+        # the slots mask[t] allows. Masked slots get probability exactly 0, so they add nothing to the
+        # in-order sums below: a token's output is bitwise the same in a chain, a tree or alone.
         T = rope.shape[0]
         half = head_dim // 2
         group = n_heads // n_kv
@@ -65,42 +119,35 @@ if cpu_kernels.available():
                 a, b = qkv[t, h * head_dim + 2 * i], qkv[t, h * head_dim + 2 * i + 1]
                 q[2 * i] = (a * c - b * s) * scale
                 q[2 * i + 1] = (a * s + b * c) * scale
-            scores = np.empty(S, dtype=np.float32)
-            top = np.float32(-np.inf)
+            p = probs[job]
+            _scores(q, keys[g], S, p)
+            top = _MASKED
             for j in range(S):
                 if use_mask and not mask[t, j]:
-                    scores[j] = -np.inf
-                    continue
-                acc = np.float32(0.0)
-                for d in range(head_dim):
-                    acc += q[d] * keys[g, j, d]
-                scores[j] = acc
-                top = max(top, acc)
+                    p[j] = _MASKED
+                top = max(top, p[j])
+            for j in range(S):  # vectorised: fast_exp is arithmetic; below e^-80 of the top is 0 in fp32 sums
+                z = p[j] - top
+                p[j] = fast_exp(z) if z > np.float32(-80.0) else np.float32(0.0)
+            total = _sum_in_order(p, S)
             acc_v = np.zeros(head_dim, dtype=np.float32)
-            total = np.float32(0.0)
-            for j in range(S):
-                if scores[j] == -np.inf:
-                    continue
-                p = np.exp(scores[j] - top)
-                total += p
-                for d in range(head_dim):
-                    acc_v[d] += p * values[g, j, d]
+            _weigh_values(p, values[g], S, acc_v)
             for d in range(head_dim):
                 out[t, h * head_dim + d] = acc_v[d] / total
 
-    @njit(fastmath=True, cache=True)
+    @njit(fastmath=True, error_model="numpy", cache=True)
     def _silu_mul(gate_up, hidden, out):  # pragma: no cover - compiled
         for t in range(gate_up.shape[0]):
             for i in range(hidden):
                 g = gate_up[t, i]
-                out[t, i] = g / (np.float32(1.0) + np.exp(-g)) * gate_up[t, hidden + i]
+                out[t, i] = g / (np.float32(1.0) + fast_exp(-g)) * gate_up[t, hidden + i]
 
     @njit(cache=True)
     def layer_forward(x, rope, keys, values, start, mask, use_mask, attn_norm, wqkv, bqkv, bo, wo,  # pragma: no cover
                       mlp_norm, w_gate_up, w_down, eps, n_heads, n_kv, head_dim, hidden):
         """x (T, dim) -> the layer's output (T, dim); K/V of the T tokens written at slots start.."""
         T, dim = x.shape
-        rows = T if T == 1 or T % 2 == 0 else T + 1  # the paired matmul tile wants an even count
+        rows = T if T == 1 else (T + 3) // 4 * 4  # cpu_kernels.kernel_rows: mm_into takes 1 or 4n rows
         h = np.zeros((rows, dim), dtype=np.float32)
         _rms_norm(x, attn_norm, eps, h)
         qkv = np.empty((rows, wqkv.shape[0]), dtype=np.float32)
@@ -109,7 +156,8 @@ if cpu_kernels.available():
             for i in range(wqkv.shape[0]):
                 qkv[t, i] += bqkv[i]
         att = np.zeros((rows, n_heads * head_dim), dtype=np.float32)
-        _attend(qkv, rope, keys, values, start, mask, use_mask, n_heads, n_kv, head_dim, att)
+        probs = np.empty((T * n_heads, start + T), dtype=np.float32)
+        _attend(qkv, rope, keys, values, start, mask, use_mask, n_heads, n_kv, head_dim, att, probs)
         o = np.empty((rows, dim), dtype=np.float32)
         mm_into(att, wo, o)
         mid = np.empty((T, dim), dtype=np.float32)
