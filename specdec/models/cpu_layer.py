@@ -87,7 +87,8 @@ if cpu_kernels.available():
             j += 1
 
     @njit(parallel=True, fastmath=True, error_model="numpy", cache=True)
-    def _attend(qkv, rope, keys, values, start, mask, use_mask, n_heads, n_kv, head_dim, out, probs):  # pragma: no cover
+    def _attend(qkv, rope, keys, values, start, mask, use_mask, n_heads, n_kv, head_dim,  # pragma: no cover
+                out, probs):
         # qkv (T', (H + 2 Hkv) D) rows of new tokens; rope (T, D/2, 2) cos/sin; keys, values (Hkv, S_max, D);
         # probs (T H, >= S) scratch. Rotates q and k (adjacent pairs: llama.py permutes wq/wk at load),
         # writes k, v at start..start+T, then out[t, h*D:(h+1)*D] = softmax(q k^T / sqrt(D)) v over
