@@ -92,8 +92,11 @@ def test_ctrl_c_then_resume_ends_with_each_answer_once(tmp_path: Path) -> None:
     data = write_questions(tmp_path / "q.jsonl", n)
     out = tmp_path / "out"
     args = ["data=jsonl", f"data.path={data}", "generation.max_new_tokens=2", "warmup=0", f"output_dir={out}"]
+    # A child inherits an ignored SIGINT (Python then never raises KeyboardInterrupt in it); whether
+    # pytest's process has it ignored depends on what ran before, so give the child the default.
     proc = subprocess.Popen([sys.executable, "-m", "specdec.run", "model=tiny-llama", *args], cwd=REPO,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=cli_env())
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=cli_env(),
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     answers = out / "answers.jsonl"
     deadline = time.monotonic() + 300
     while proc.poll() is None and time.monotonic() < deadline:
