@@ -183,3 +183,29 @@ def test_fused_cpu_pass_is_batch_invariant(load_tiny: Callable[..., LoadedModel]
     many.prefill(ids[:12])
     steps = torch.cat([one.forward(torch.tensor([t])).logits for t in ids[12:]])
     assert torch.equal(many.forward(torch.tensor(ids[12:])).logits, steps)
+
+
+def test_fused_cpu_tree_nodes_equal_their_paths_bitwise(load_tiny: Callable[..., LoadedModel]) -> None:
+    """With matmul=numba each node of a token tree gets bitwise the logits that decoding its path one
+    token at a time gives (masked slots add exact zeros; every kernel sums in the same shape), so
+    Medusa and lookahead verify on exactly the numbers greedy decoding sees."""
+    model = load_tiny("llama", matmul="numba").model
+    ids = random_ids(17, VOCAB, seed=9)
+    tokens = ids[12:17]
+    parents = [-1, 0, 0, 1, 2]  # nodes 1 and 2 are siblings under node 0; 3 under 1, 4 under 2
+    tree = torch.tensor([[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 0, 1, 0, 0], [1, 1, 0, 1, 0], [1, 0, 1, 0, 1]],
+                        dtype=torch.bool)
+    engine = StaticEngine(model, 64, prefill_chunk=8)
+    engine.prefill(ids[:12])
+    logits = engine.forward(torch.tensor(tokens), depth=torch.tensor([0, 1, 1, 2, 2]), mask=tree).logits
+    for node in range(len(tokens)):
+        path = []
+        n = node
+        while n >= 0:
+            path.insert(0, tokens[n])
+            n = parents[n]
+        seq = StaticEngine(model, 64, prefill_chunk=8)
+        seq.prefill(ids[:12])
+        for t in path:
+            last = seq.forward(torch.tensor([t])).logits
+        assert torch.equal(last[-1], logits[node]), node
