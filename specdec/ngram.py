@@ -120,12 +120,54 @@ class NGramPool:
         return tails[::-1][:num]
 
 
-def candidates_to_tree(candidates: Sequence[Sequence[int]]) -> tuple[list[int], list[int]]:
+class ContextPool:
+    """First token -> its recent (previous token, tail) occurrences in the text, at most `capacity`.
+
+    A pool keyed by first token, like `NGramPool`, whose lookups rank tails that followed the same
+    two tokens (the previous one and the head) before the others: one token of left context picks
+    the right continuation of a common head ("the", ",") far more often than recency alone.
+    """
+
+    def __init__(self, n: int, capacity: int) -> None:
+        if n < 2 or capacity < 1:
+            raise ValueError(f"need n >= 2 and capacity >= 1, got {n}, {capacity}")
+        self.n, self.capacity = n, capacity
+        self.table: dict[int, list[tuple[int, tuple[int, ...]]]] = {}
+
+    def add_text(self, ids: Sequence[int], start: int = 0) -> int:
+        """Add every complete n-gram of ids that begins at or after `start`; return the next start."""
+        n = self.n
+        for i in range(start, len(ids) - n + 1):
+            entry = (ids[i - 1] if i > 0 else -1, tuple(ids[i + 1:i + n]))
+            entries = self.table.setdefault(ids[i], [])
+            if entry in entries:
+                entries.remove(entry)
+            entries.append(entry)
+            if len(entries) > self.capacity:
+                del entries[0]
+        return max(start, len(ids) - n + 1)
+
+    def get(self, head: int, prev: int, num: int) -> list[tuple[int, ...]]:
+        """Up to `num` distinct tails after `head`: those preceded by `prev` first, each group newest first."""
+        entries = self.table.get(head, [])[::-1]
+        out: list[tuple[int, ...]] = []
+        for same_context in (True, False):
+            for before, tail in entries:
+                if (before == prev) == same_context and tail not in out:
+                    out.append(tail)
+                    if len(out) == num:
+                        return out
+        return out
+
+
+def candidates_to_tree(candidates: Sequence[Sequence[int]],
+                       max_nodes: int | None = None) -> tuple[list[int], list[int]]:
     """Merge token sequences (each continuing the root) into a trie -> (tokens, parents).
 
     Node i + 1 holds tokens[i] and hangs under parents[i] (0 = root). Shared prefixes share nodes,
     and siblings keep the order of the candidates that created them, so earlier candidates are
-    tried first by the verifier.
+    tried first by the verifier. With max_nodes the trie stops growing at that many nodes: earlier
+    candidates are kept whole and the first one that does not fit keeps only its fitting prefix.
     """
     tokens: list[int] = []
     parents: list[int] = []
@@ -135,6 +177,8 @@ def candidates_to_tree(candidates: Sequence[Sequence[int]]) -> tuple[list[int], 
         for tok in cand:
             nxt = child.get((node, tok))
             if nxt is None:
+                if max_nodes is not None and len(tokens) >= max_nodes:
+                    return tokens, parents
                 tokens.append(int(tok))
                 parents.append(node)
                 nxt = len(tokens)

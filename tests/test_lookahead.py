@@ -17,7 +17,7 @@ from specdec.engine.engine import ForwardOut, StaticEngine
 from specdec.engine.sampling import SamplingParams
 from specdec.errors import SpecdecError
 from specdec.models.loader import LoadedModel
-from specdec.ngram import NGramPool
+from specdec.ngram import ContextPool, NGramPool
 from specdec.strategies.base import DecodeState, GenerationParams
 from specdec.strategies.greedy import Greedy
 from specdec.strategies.lookahead import Lookahead, LookaheadProposer, combined_mask
@@ -50,6 +50,45 @@ def test_pool_keeps_the_most_recent_distinct_ngrams(seed: int, n: int, capacity:
     for head in range(5):
         for num in (1, capacity):
             assert pool.get(head, num) == naive_pool(ids, n, head, min(num, capacity))
+
+
+def naive_context_pool(ids: list[int], n: int, head: int, prev: int, num: int, capacity: int) -> list[tuple[int, ...]]:
+    """The `capacity` latest occurrences of `head` (counting a repeated (previous token, tail) once, at its
+    latest), newest first; among them the distinct tails preceded by `prev` first, then the rest."""
+    occurrences: list[tuple[int, tuple[int, ...]]] = []
+    for i in range(len(ids) - n, -1, -1):
+        entry = (ids[i - 1] if i else -1, tuple(ids[i + 1:i + n]))
+        if ids[i] == head and entry not in occurrences:
+            occurrences.append(entry)
+    occurrences = occurrences[:capacity]
+    out: list[tuple[int, ...]] = []
+    for _before, tail in [e for e in occurrences if e[0] == prev] + [e for e in occurrences if e[0] != prev]:
+        if tail not in out:
+            out.append(tail)
+    return out[:num]
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("n,capacity", [(2, 1), (3, 4), (3, 32), (4, 8)])
+def test_context_pool_ranks_tails_after_the_same_two_tokens_first(seed: int, n: int, capacity: int) -> None:
+    rng = random.Random(seed)
+    ids = [rng.randrange(4) for _ in range(150)]
+    pool = ContextPool(n, capacity)
+    nxt = 0
+    for end in range(0, len(ids) + 1, rng.randint(1, 6)):
+        nxt = pool.add_text(ids[:end], nxt)
+    assert pool.add_text(ids, nxt) == len(ids) - n + 1
+    for head in range(5):
+        for prev in (-1, 0, 1, 3):
+            for num in (1, 2, 5):
+                assert pool.get(head, prev, num) == naive_context_pool(ids, n, head, prev, num, capacity)
+
+
+def test_context_pool_prefers_the_matching_context_over_recency() -> None:
+    pool = ContextPool(3, 8)
+    pool.add_text([7, 1, 2, 3, 9, 1, 4, 5, 8, 1, 6, 6])
+    assert pool.get(1, 7, 3) == [(2, 3), (6, 6), (4, 5)]  # after (7, 1) came 2 3; then newest first
+    assert pool.get(1, 0, 2) == [(6, 6), (4, 5)]
 
 
 # --- the combined mask ---------------------------------------------------------------------------
@@ -175,6 +214,19 @@ def test_window_fills_then_slides_and_pools_its_columns() -> None:
     assert proposer.pool.get(12, 8) == [(22, 32, 42)]
 
 
+def test_text_ngrams_come_first_and_the_guess_budget_holds() -> None:
+    prompt = [5, 1, 2, 3, 6, 1, 4, 4, 5]  # (5, 1) was followed by 2 3, (6, 1) by 4 4
+    state = DecodeState(prompt + [1], len(prompt), GenerationParams(100), None)
+    proposer = LookaheadProposer(2, 2, G=2, max_len=100, harvest_output=True, text_ngram=3, verify_tokens=3)
+    proposer.start(state, ForwardOut(torch.zeros(1, 50), torch.zeros(1, 1)))
+    proposer.pool.add(1, [9])  # a window bigram after the root: tried after the text's n-grams
+    proposal = proposer.propose(state)
+    assert proposal is not None
+    guess = [(int(t), p) for t, p in zip(proposal.tokens, proposal.parents) if p >= 0]
+    assert guess == [(2, 0), (3, 1), (4, 0)]  # (5, 1) -> 2 3 whole, then the first node of 4 4; no room for 9
+    assert len(proposal.tokens) - len(guess) == 1  # the window's one node (W=2, N=2)
+
+
 # --- decoding ------------------------------------------------------------------------------------
 
 
@@ -191,6 +243,8 @@ def looping_target() -> LoadedModel:
     {},
     {"window": 2, "level": 2, "guesses": 1},
     {"window": 5, "level": 3, "guesses": 4, "harvest_output": False},
+    {"window": 2, "level": 2, "guesses": 2, "text_ngram": 3, "verify_tokens": 2},
+    {"window": 3, "level": 3, "guesses": 3, "text_ngram": 5, "verify_tokens": 1},
 ])
 @pytest.mark.parametrize("name", ["repeating", "pattern", "no_repeats", "one_token", "chat"])
 def test_reproduces_greedy(tiny_target: LoadedModel, options: dict, name: str) -> None:
@@ -259,9 +313,10 @@ def test_config_builds_the_strategy(tiny_target: LoadedModel) -> None:
     strategy = instantiate(cfg)(target=tiny_target, max_len=128, prefill_chunk=64)
     assert isinstance(strategy, Lookahead) and strategy.name == "lookahead"
     assert (strategy.window, strategy.level, strategy.guesses) == (cfg.window, cfg.level, cfg.guesses)
+    assert (strategy.text_ngram, strategy.verify_tokens) == (cfg.text_ngram, cfg.verify_tokens)
 
 
-@pytest.mark.parametrize("bad", [{"window": 1}, {"level": 1}, {"guesses": 0}])
+@pytest.mark.parametrize("bad", [{"window": 1}, {"level": 1}, {"guesses": 0}, {"text_ngram": 1}, {"verify_tokens": 0}])
 def test_bad_parameters_fail_in_one_line(tiny_target: LoadedModel, bad: dict) -> None:
     with pytest.raises(SpecdecError) as err:
         Lookahead(tiny_target, max_len=64, **bad)

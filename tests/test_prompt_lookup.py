@@ -142,6 +142,15 @@ def test_candidates_to_tree_merges_shared_prefixes() -> None:
     assert [t for t, p in zip(tokens, parents) if p == 0] == [1, 5]  # candidate order among siblings
 
 
+@pytest.mark.parametrize("max_nodes,want", [(1, [[1]]), (2, [[1, 2]]), (3, [[1, 2, 3]]), (4, [[1, 2, 3], [1, 2, 4]]),
+                                            (5, [[1, 2, 3], [1, 2, 4], [5]]), (9, None)])
+def test_candidates_to_tree_stops_at_max_nodes(max_nodes: int, want: list[list[int]] | None) -> None:
+    cands = [[1, 2, 3], [1, 2, 4], [5, 6], [1, 7]]
+    got = candidates_to_tree(cands, max_nodes)
+    assert got == candidates_to_tree(cands if want is None else want)
+    assert len(got[0]) <= max_nodes
+
+
 # --- decoding ------------------------------------------------------------------------------------
 
 

@@ -14,8 +14,9 @@ Every target pass feeds, after the root, two branches under one attention mask:
 The lookahead branch is always argmax (a Jacobi fixed-point search). Verification is the shared
 greedy match at temperature 0 (lossless) and `verify_deterministic` above it: pool n-grams are
 deterministic drafts with no probabilities, so multi-candidate rejection against the target keeps
-the output distribution exact. The pool is seeded with the prompt's n-grams and also collects the
-n-grams of the committed output (both cheap, and both help as much as the window does on chat).
+the output distribution exact. A second pool holds the n-grams of the prompt and of the committed
+output (ranked by one token of left context) and is tried first: on chat with a 135M model on this
+CPU it supplies most accepted guesses, and the window the rest (see configs/strategy/lookahead.yaml).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from torch import Tensor
 from specdec.engine.engine import ForwardOut
 from specdec.errors import SpecdecError
 from specdec.models.loader import LoadedModel
-from specdec.ngram import NGramPool, as_tokens, candidates_to_tree
+from specdec.ngram import ContextPool, NGramPool, as_tokens, candidates_to_tree
 from specdec.strategies.base import DecodeState, Proposer, SpeculativeStrategy
 from specdec.trees import tree_depth, tree_mask
 from specdec.verify import Proposal, Verdict
@@ -80,11 +81,24 @@ def combined_mask(parents: list[int], W: int, rows: int) -> tuple[Tensor, Tensor
 
 
 class LookaheadProposer:
-    def __init__(self, W: int, N: int, G: int, max_len: int, harvest_output: bool, seed: int = 0) -> None:
+    """The Jacobi window and two n-gram pools keyed by first token: `pool` holds the window's N-grams,
+    `text_pool` the prompt's (and the committed output's) n-grams of size `text_ngram`.
+
+    Text n-grams are tried first: they come from text the model has seen or written, and on this
+    CPU they were right more often than the window's (held-apart prompts, text-only vs full: tau
+    1.42 vs 1.45 at W2N2). Every pass verifies at most `verify_tokens` nodes (default G * (N - 1)).
+    """
+
+    TEXT_CAPACITY = 32  # text occurrences kept per first token: enough to find one with the same context
+
+    def __init__(self, W: int, N: int, G: int, max_len: int, harvest_output: bool, seed: int = 0,
+                 text_ngram: int | None = None, verify_tokens: int | None = None) -> None:
         self.W, self.N, self.G = W, N, G
         self.max_len = max_len
         self.harvest_output = harvest_output
         self.pool = NGramPool(N, G)
+        self.text_pool = ContextPool(text_ngram or N, self.TEXT_CAPACITY)
+        self.verify_tokens = verify_tokens if verify_tokens is not None else G * (N - 1)
         self.rows: list[list[int]] = []
         self.seed = seed
         self._pooled = 0  # next start of a committed n-gram not yet in the pool
@@ -92,7 +106,7 @@ class LookaheadProposer:
 
     def start(self, state: DecodeState, out: ForwardOut) -> None:
         text = state.ids if self.harvest_output else state.ids[:state.prompt_len]
-        self._pooled = self.pool.add_text(text)
+        self._pooled = self.text_pool.add_text(text)
         # The first Jacobi iterate is arbitrary; tokens of the prompt are at least plausible ones.
         rng = random.Random(self.seed)
         prompt = state.ids[:state.prompt_len]
@@ -104,8 +118,9 @@ class LookaheadProposer:
         if remaining <= 1:  # the pass yields its own token; nothing drafted could be kept
             return None
         root = state.ids[-1]
-        guesses = [g[:remaining - 1] for g in self.pool.get(root, self.G)]
-        vtokens, vparents = candidates_to_tree(guesses)
+        found = self.text_pool.get(root, state.ids[-2], self.G) + self.pool.get(root, self.G)
+        guesses = [g[:remaining - 1] for g in found]
+        vtokens, vparents = candidates_to_tree(guesses, self.verify_tokens)
         wtokens = [t for row in self.rows for t in row]
         room = self.max_len - len(state.ids)  # cache slots left after the root
         rows = len(self.rows)
@@ -121,7 +136,7 @@ class LookaheadProposer:
         if self._layout is not None and self._layout[2] > 0:
             self._advance(out.logits, *self._layout)
         if self.harvest_output:
-            self._pooled = self.pool.add_text(state.ids, self._pooled)
+            self._pooled = self.text_pool.add_text(state.ids, self._pooled)
 
     def _advance(self, logits: Tensor, root: int, V: int, rows: int) -> None:
         """Read the last row's outputs from `logits` (rows: [root] + nodes) and step the window."""
@@ -146,7 +161,14 @@ class Lookahead(SpeculativeStrategy):
 
     def __init__(self, target: LoadedModel, name: str = "lookahead", max_len: int = 2048,
                  prefill_chunk: int = 512, window: int = 4, level: int = 4, guesses: int = 3,
-                 harvest_output: bool = True) -> None:
+                 harvest_output: bool = True, text_ngram: int | None = None,
+                 verify_tokens: int | None = None) -> None:
+        if text_ngram is not None and text_ngram < 2:
+            raise SpecdecError(f"lookahead needs text_ngram >= 2 (or null: the level), got {text_ngram}; "
+                               "set for example strategy.text_ngram=3")
+        if verify_tokens is not None and verify_tokens < 1:
+            raise SpecdecError(f"lookahead needs verify_tokens >= 1 (or null: guesses * (level - 1)), got "
+                               f"{verify_tokens}; set for example strategy.verify_tokens=2")
         if window < 2 or level < 2 or guesses < 1:
             raise SpecdecError(f"lookahead needs window >= 2, level >= 2 and guesses >= 1, got {window}, {level}, "
                                f"{guesses}; set for example strategy.window=4 strategy.level=4 strategy.guesses=3")
@@ -156,6 +178,8 @@ class Lookahead(SpeculativeStrategy):
                                "(model.backend=compact); this model runs through transformers")
         self.window, self.level, self.guesses = window, level, guesses
         self.harvest_output = harvest_output
+        self.text_ngram, self.verify_tokens = text_ngram, verify_tokens
 
     def make_proposer(self) -> Proposer:
-        return LookaheadProposer(self.window, self.level, self.guesses, self.engine.max_len, self.harvest_output)
+        return LookaheadProposer(self.window, self.level, self.guesses, self.engine.max_len, self.harvest_output,
+                                 text_ngram=self.text_ngram, verify_tokens=self.verify_tokens)
