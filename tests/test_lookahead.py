@@ -36,17 +36,22 @@ def naive_pool(ids: list[int], n: int, head: int, num: int) -> list[tuple[int, .
     return out[:num]
 
 
+def grown_from_random_text(pool: NGramPool | ContextPool, n: int, seed: int) -> list[int]:
+    """Random text over 4 tokens added to `pool` in chunks, as tokens are committed; returns the text."""
+    rng = random.Random(seed)
+    ids = [rng.randrange(4) for _ in range(150)]
+    nxt = 0
+    for end in range(0, len(ids) + 1, rng.randint(1, 6)):
+        nxt = pool.add_text(ids[:end], nxt)
+    assert pool.add_text(ids, nxt) == len(ids) - n + 1
+    return ids
+
+
 @pytest.mark.parametrize("seed", range(4))
 @pytest.mark.parametrize("n,capacity", [(2, 1), (3, 2), (4, 3), (5, 8)])
 def test_pool_keeps_the_most_recent_distinct_ngrams(seed: int, n: int, capacity: int) -> None:
-    rng = random.Random(seed)
-    ids = [rng.randrange(4) for _ in range(150)]
     pool = NGramPool(n, capacity)
-    nxt = 0
-    for end in range(0, len(ids) + 1, rng.randint(1, 6)):  # grown in chunks, as tokens are committed
-        nxt = pool.add_text(ids[:end], nxt)
-    nxt = pool.add_text(ids, nxt)
-    assert nxt == len(ids) - n + 1
+    ids = grown_from_random_text(pool, n, seed)
     for head in range(5):
         for num in (1, capacity):
             assert pool.get(head, num) == naive_pool(ids, n, head, min(num, capacity))
@@ -71,13 +76,8 @@ def naive_context_pool(ids: list[int], n: int, head: int, prev: int, num: int, c
 @pytest.mark.parametrize("seed", range(4))
 @pytest.mark.parametrize("n,capacity", [(2, 1), (3, 4), (3, 32), (4, 8)])
 def test_context_pool_ranks_tails_after_the_same_two_tokens_first(seed: int, n: int, capacity: int) -> None:
-    rng = random.Random(seed)
-    ids = [rng.randrange(4) for _ in range(150)]
     pool = ContextPool(n, capacity)
-    nxt = 0
-    for end in range(0, len(ids) + 1, rng.randint(1, 6)):
-        nxt = pool.add_text(ids[:end], nxt)
-    assert pool.add_text(ids, nxt) == len(ids) - n + 1
+    ids = grown_from_random_text(pool, n, seed)
     for head in range(5):
         for prev in (-1, 0, 1, 3):
             for num in (1, 2, 5):
