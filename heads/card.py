@@ -46,6 +46,7 @@ def write_card(out_dir: Path, name: str, model: str, meta: dict[str, Any], argv:
         f"- Machine: {machine()}",
         f"- Data: {meta.get('sequences')} training sequences, {meta.get('target_tokens')} target tokens "
         f"(prompts: offline suite, {data.get('per_category')} per category for seeds {data.get('seeds')}, "
+        f"plus up to {data.get('instructions', 0)} general chat instructions from heads/instruction_prompts.py, "
         f"benchmark prompts excluded; continuations of {data.get('max_new_tokens')} tokens, generation "
         f"budget {data.get('max_minutes')} min)",
         f"- Training: {meta.get('steps')} steps, {_fmt(meta.get('epochs'))} epochs, {_fmt(meta.get('minutes'))} min "

@@ -1,10 +1,13 @@
-"""Self-distillation data: prompts built like the offline suite (never its benchmark questions) and
-the target's own greedy continuations, generated in left-padded batches with transformers.
+"""Self-distillation data: prompts built like the offline suite (never its benchmark questions) plus
+general chat instructions (`heads/instruction_prompts.py`), and the target's own greedy continuations,
+generated in left-padded batches (specdec's compact model, else transformers).
 
 The result is a `datasets.Dataset` with `input_ids` (prompt + continuation), `labels` (the next
 token at every position, -100 over the prompt and the last position) and `prompt_len`, cached with
 `save_to_disk` in chunks under SPECDEC_CACHE/distill/MODEL-KEY/. Each chunk is saved as soon as it
 is generated, so an interrupted run resumes where it stopped, and a time budget bounds the whole.
+With the compact model each chunk also keeps the target's hidden states of its tokens (`hidden.npy`),
+which the drafters' losses read, so training needs no second pass over the data.
 """
 
 from __future__ import annotations
@@ -14,25 +17,30 @@ import json
 import shutil
 import time
 from collections import defaultdict
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
+from heads.batch_generate import generate_with_hidden
+from heads.instruction_prompts import instruction_prompts
 from specdec.data import default_suite
 from specdec.errors import SpecdecError
 from specdec.models.cache import cache_root
 from specdec.models.loader import LoadedModel
 from specdec.strategies.base import torch_threads as torch_threads_ctx
 
-VERSION = 1  # bump when the format or the generation changes
+VERSION = 2  # bump when the format or the generation changes
 
 
 def distill_prompts(per_category: int, seeds: list[int], exclude_per_category: int, exclude_seed: int,
-                    max_prompts: int | None = None) -> list[str]:
+                    max_prompts: int | None = None, instructions: int = 0) -> list[str]:
     """First turns of default_suite(per_category, seed) for each seed, minus every turn of the
-    benchmark suite default_suite(exclude_per_category, exclude_seed), deduplicated, categories
-    interleaved so that `max_prompts` keeps a mix."""
+    benchmark suite default_suite(exclude_per_category, exclude_seed), deduplicated, plus `instructions`
+    general chat instructions (none quoting a benchmark turn's text), all interleaved so that
+    `max_prompts` or a time budget keeps a mix."""
     if exclude_seed in seeds:
         raise SpecdecError(f"data.seeds={list(seeds)} includes the benchmark seed {exclude_seed}; use other seeds")
     bench = {t for q in default_suite(per_category=exclude_per_category, seed=exclude_seed) for t in q.turns}
@@ -44,6 +52,9 @@ def distill_prompts(per_category: int, seeds: list[int], exclude_per_category: i
             if first not in bench and first not in seen:
                 seen.add(first)
                 by_category[q.category].append(first)
+    if instructions:
+        made = instruction_prompts(instructions, seed=seeds[0], exclude=bench)
+        by_category["instructions"] = [p for p in made if p not in seen]
     lists = list(by_category.values())
     mixed = [lst[i] for i in range(max(map(len, lists), default=0)) for lst in lists if i < len(lst)]
     return mixed[:max_prompts] if max_prompts else mixed
@@ -94,11 +105,60 @@ def _key(target: LoadedModel, prompts: list[str], max_new_tokens: int, chunk: in
     return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:12]
 
 
+@dataclass
+class DistillSet:
+    data: Any  # datasets.Dataset: input_ids, labels, prompt_len (+ hidden_start when hidden is set)
+    # (rows, D) float16 memory map: the target's hidden states of example j's tokens are rows
+    # hidden_start[j] .. hidden_start[j] + len(input_ids[j]); None when generated without them
+    hidden: np.ndarray | None = None
+
+
+def _generate_chunk(target: LoadedModel, ids: list[list[int]], max_new_tokens: int, batch_size: int,
+                    folder: Path) -> None:
+    """Generate one chunk and save it into `folder` (written under a temporary name, then renamed,
+    so a chunk on disk is always complete)."""
+    import datasets
+
+    tmp = folder.parent / f".tmp-{folder.name}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    if target.backend == "compact":
+        gens = generate_with_hidden(target, ids, max_new_tokens, batch_size)
+        rows = [to_example(p, g.continuation) for p, g in zip(ids, gens)]
+        datasets.Dataset.from_list(rows).save_to_disk(str(tmp))
+        np.save(tmp / "hidden.npy", np.concatenate([g.hidden for g in gens]))
+    else:
+        conts = greedy_continuations(target, ids, max_new_tokens, batch_size)
+        datasets.Dataset.from_list([to_example(p, q) for p, q in zip(ids, conts)]).save_to_disk(str(tmp))
+    tmp.rename(folder)
+
+
+def _joined_hidden(folder: Path, parts: list[Path], lengths: list[int]) -> np.ndarray | None:
+    """One memory-mapped array of every part's hidden states (built once per set of parts)."""
+    if not all((p / "hidden.npy").is_file() for p in parts):
+        return None
+    path = folder / f"hidden-{len(parts)}.npy"
+    if not path.is_file():
+        pieces = [np.load(p / "hidden.npy", mmap_mode="r") for p in parts]
+        if sum(x.shape[0] for x in pieces) != sum(lengths):
+            raise SpecdecError(f"hidden states in {folder} do not match its tokens; delete the folder to regenerate")
+        tmp = path.with_suffix(".tmp.npy")
+        out = np.lib.format.open_memmap(tmp, mode="w+", dtype=np.float16,
+                                        shape=(sum(lengths), pieces[0].shape[1]))
+        row = 0
+        for x in pieces:
+            out[row:row + x.shape[0]] = x
+            row += x.shape[0]
+        out.flush()
+        del out
+        tmp.rename(path)
+    return np.load(path, mmap_mode="r")
+
+
 def build_distill_dataset(target: LoadedModel, per_category: int = 70, seeds: tuple[int, ...] = (1, 2, 3),
                           exclude_per_category: int = 20, exclude_seed: int = 0, max_prompts: int | None = None,
-                          max_new_tokens: int = 128, batch_size: int = 32, chunk_batches: int = 2,
-                          max_minutes: float | None = None, torch_threads: int | None = 1,
-                          cache_dir: str | None = None, log: Any = print) -> Any:
+                          instructions: int = 0, max_new_tokens: int = 128, batch_size: int = 32,
+                          chunk_batches: int = 2, max_minutes: float | None = None, torch_threads: int | None = 1,
+                          cache_dir: str | None = None, log: Any = print) -> DistillSet:
     """The distillation set for `target`; see the module docstring.
 
     Prompts are generated chunk by chunk (chunk_batches batches), each chunk saved with save_to_disk
@@ -109,7 +169,8 @@ def build_distill_dataset(target: LoadedModel, per_category: int = 70, seeds: tu
     """
     import datasets
 
-    prompts = distill_prompts(per_category, list(seeds), exclude_per_category, exclude_seed, max_prompts)
+    prompts = distill_prompts(per_category, list(seeds), exclude_per_category, exclude_seed, max_prompts,
+                              instructions)
     if not prompts:
         raise SpecdecError("no distillation prompts left after excluding the benchmark; raise data.per_category")
     root = Path(cache_dir).expanduser() if cache_dir else cache_root() / "distill"
@@ -120,7 +181,7 @@ def build_distill_dataset(target: LoadedModel, per_category: int = 70, seeds: tu
     budget = float("inf") if max_minutes is None else max_minutes * 60
     ids: list[list[int]] | None = None
     chunk = batch_size * chunk_batches
-    parts = []
+    parts: list[Path] = []
     for c, s in enumerate(range(0, len(prompts), chunk)):
         part = folder / f"chunk-{c:04d}"
         if not (part / "dataset_info.json").is_file():
@@ -131,17 +192,17 @@ def build_distill_dataset(target: LoadedModel, per_category: int = 70, seeds: tu
             ids = ids or [target.chat_ids([{"role": "user", "content": p}]) for p in prompts]
             start = time.perf_counter()
             with torch_threads_ctx(torch_threads):
-                conts = greedy_continuations(target, ids[s:s + chunk], max_new_tokens, batch_size)
-            rows = [to_example(p, q) for p, q in zip(ids[s:s + chunk], conts)]
-            tmp = folder / f".tmp-{part.name}"
-            shutil.rmtree(tmp, ignore_errors=True)
-            datasets.Dataset.from_list(rows).save_to_disk(str(tmp))
-            tmp.rename(part)
+                _generate_chunk(target, ids[s:s + chunk], max_new_tokens, batch_size, part)
             spent += time.perf_counter() - start
             progress_file.write_text(json.dumps({"seconds": spent}))
             log(f"distill: {min(s + chunk, len(prompts))}/{len(prompts)} prompts, {spent / 60:.1f} min")
-        parts.append(datasets.load_from_disk(str(part)))
+        parts.append(part)
     if not parts:
         raise SpecdecError(f"no distillation data in {folder} and data.max_minutes={max_minutes} leaves no time to "
                            "generate any; raise data.max_minutes")
-    return datasets.concatenate_datasets(parts)
+    data = datasets.concatenate_datasets([datasets.load_from_disk(str(p)) for p in parts])
+    lengths = [len(x) for x in data["input_ids"]]
+    hidden = _joined_hidden(folder, parts, lengths)
+    if hidden is not None:
+        data = data.add_column("hidden_start", np.concatenate([[0], np.cumsum(lengths)[:-1]]).tolist())
+    return DistillSet(data, hidden)

@@ -223,6 +223,13 @@ def with_cached_hidden(data: Any, target: LoadedModel, seq_len: int, batch_size:
     return data.add_column("hidden_row", offsets[:-1].tolist()), store
 
 
+def with_generated_hidden(data: Any, hidden: Any, seq_len: int) -> tuple[Any, HiddenStore]:
+    """The store over hidden states saved at generation time, where example j's tokens own rows
+    hidden_start[j] ..; `hidden_row` points at the last seq_len of them, as collate expects."""
+    rows = [s + n - min(seq_len, n) for s, n in zip(data["hidden_start"], map(len, data["input_ids"]))]
+    return data.add_column("hidden_row", rows), HiddenStore(hidden, seq_len)
+
+
 # --------------------------------------------------------------------------------------------------
 # Checkpoints: trainable parameters and optimizer state in safetensors, counters in JSON
 # --------------------------------------------------------------------------------------------------
@@ -357,9 +364,11 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     assert isinstance(data_cfg, dict)
     data_cfg["seeds"] = tuple(data_cfg["seeds"])
     with accelerator.main_process_first():
-        data = build_distill_dataset(target, **data_cfg, log=say)
-        store = None
-        if trainable.needs_hidden and t.cache_hidden:
+        distill = build_distill_dataset(target, **data_cfg, log=say)
+        data, store = distill.data, None
+        if trainable.needs_hidden and distill.hidden is not None:
+            data, store = with_generated_hidden(data, distill.hidden, int(t.seq_len))
+        elif trainable.needs_hidden and t.cache_hidden:
             data, store = with_cached_hidden(data, target, int(t.seq_len), int(t.batch_size))
     n_val = int(len(data) * float(t.val_fraction)) if len(data) > 1 else 0
     split = data.train_test_split(test_size=n_val, seed=int(t.seed), shuffle=True) if n_val else None

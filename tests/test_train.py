@@ -32,7 +32,8 @@ def config(out: Path, data_dir: Path, *overrides: str) -> DictConfig:
     with initialize_config_dir(str(CONFIG_DIR), version_base=None):
         return compose("train", overrides=[
             "model=tiny-llama", "head=draft", f"output_dir={out}", f"data.cache_dir={data_dir}",
-            "data.per_category=1", "data.seeds=[1]", "data.max_new_tokens=16", "data.batch_size=4",
+            "data.per_category=1", "data.seeds=[1]", "data.instructions=0", "data.max_new_tokens=16",
+            "data.batch_size=4",
             "train.batch_size=2", "train.seq_len=96", "train.torch_threads=1", "train.log_every=100",
             "train.val_fraction=0", "head.layers=1", "head.init_layers=[0]", "head.kept_vocab=128",
             "head.kl_weight=0",
@@ -46,6 +47,31 @@ def test_distill_prompts_never_contain_benchmark_questions() -> None:
     assert not bench & set(prompts)
     with pytest.raises(SpecdecError, match="benchmark seed"):
         distill_prompts(per_category=5, seeds=[0], exclude_per_category=10, exclude_seed=0)
+
+
+def test_instructions_join_the_prompts_without_quoting_the_benchmark() -> None:
+    prompts = distill_prompts(per_category=5, seeds=[1], exclude_per_category=10, exclude_seed=0, instructions=40)
+    suite = distill_prompts(per_category=5, seeds=[1], exclude_per_category=10, exclude_seed=0)
+    extra = [p for p in prompts if p not in suite]
+    assert len(extra) == 40 and len(set(prompts)) == len(prompts)
+    assert prompts[:7] != suite[:7]  # interleaved: a time budget cut keeps a mix of both
+    bench = [t for q in default_suite(per_category=10, seed=0) for t in q.turns]
+    quoted = [p for p in extra if "\n\n" in p]  # the kinds that quote a stdlib paragraph
+    assert quoted and not any(p.split("\n\n", 1)[1] in t for p in quoted for t in bench)
+
+
+def test_batched_generation_matches_greedy_and_the_target_pass(tiny_target: LoadedModel) -> None:
+    from heads.batch_generate import generate_with_hidden
+
+    prompts = [[3, 17, 42, 9, 100, 7], [5, 6], [11, 12, 13, 14], [99]]  # uneven: left padding in one batch
+    gens = generate_with_hidden(tiny_target, prompts, max_new_tokens=9, batch_size=3)
+    for p, g in zip(prompts, gens):
+        ref = Greedy(tiny_target, "greedy", 64, 64).generate(p, GenerationParams(9), 0).output_ids
+        assert g.continuation == ref[:len(g.continuation)] and len(g.continuation) >= 1
+        seq = torch.tensor([p + g.continuation])
+        h = target_hidden(tiny_target, seq, torch.ones_like(seq))[0]  # (T, D)
+        assert g.hidden.shape == tuple(h.shape)
+        torch.testing.assert_close(torch.from_numpy(g.hidden).float(), h, atol=2e-2, rtol=2e-2)
 
 
 def test_labels_are_the_continuation_shifted() -> None:
@@ -123,7 +149,21 @@ def test_heads_reading_hidden_states_get_them_cached(tmp_path: Path, data_dir: P
     meta = train(config(tmp_path / "kl", data_dir, "train.max_steps=30", "train.lr=3e-3", "head.kl_weight=0.5",
                         f"head.kl_positions={positions}"))
     assert meta["steps"] == 30 and meta["last_loss"] < 0.8 * meta["first_loss"]
-    assert any(p.name.startswith("hidden-") for p in data_dir.rglob("*.f16"))
+    assert any(data_dir.rglob("hidden-*.npy"))  # kept from generation, not recomputed
+
+
+def test_generated_hidden_rows_equal_a_fresh_target_pass(tmp_path: Path, tiny_target: LoadedModel) -> None:
+    from heads.distill_data import build_distill_dataset
+    from heads.train import with_generated_hidden
+
+    distill = build_distill_dataset(tiny_target, per_category=1, seeds=(1,), max_new_tokens=6, batch_size=3,
+                                    chunk_batches=1, cache_dir=str(tmp_path), log=lambda s: None)
+    assert distill.hidden is not None
+    data, store = with_generated_hidden(distill.data, distill.hidden, seq_len=1000)
+    batch = collate([data[i] for i in range(4)], 1000, 0, store)
+    ref = target_hidden(tiny_target, batch["input_ids"], batch["attention_mask"])  # (4, T, D)
+    mask = batch["attention_mask"].bool()
+    torch.testing.assert_close(batch["hidden"][mask], ref[mask], atol=2e-2, rtol=2e-2)
 
 
 def test_cached_hidden_rows_equal_a_fresh_target_pass(tmp_path: Path, tiny_target: LoadedModel) -> None:
@@ -148,7 +188,7 @@ def test_generation_budget_is_kept_across_reruns(tmp_path: Path, tiny_target: Lo
     def build(minutes: float | None) -> list[list[int]]:
         data = build_distill_dataset(tiny_target, per_category=1, seeds=(1,), max_new_tokens=4, batch_size=2,
                                      chunk_batches=1, max_minutes=minutes, cache_dir=str(tmp_path), log=lambda s: None)
-        return list(data["input_ids"])
+        return list(data.data["input_ids"])
 
     first = build(1e-6)  # the budget runs out after the first chunk
     assert len(first) == 2
