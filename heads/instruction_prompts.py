@@ -12,7 +12,7 @@ from __future__ import annotations
 import random
 from collections.abc import Iterable
 
-from specdec.data import _docstring_paragraphs
+from specdec.data import docstring_paragraphs
 
 TOPICS = (
     "photosynthesis", "the French Revolution", "black holes", "climate change", "the printing press",
@@ -157,7 +157,7 @@ def instruction_prompts(count: int, seed: int, exclude: Iterable[str] = ()) -> l
     any text of `exclude` (the benchmark's turns) are never quoted."""
     rng = random.Random(f"specdec-instructions-{seed}")
     excluded = list(exclude)
-    paragraphs = [p for p in _docstring_paragraphs() if not any(p in text for text in excluded)]
+    paragraphs = [p for p in docstring_paragraphs() if not any(p in text for text in excluded)]
     kinds = sorted(TEMPLATES)
     found: list[str] = []
     seen: set[str] = set()

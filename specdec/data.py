@@ -365,7 +365,7 @@ def _title_phrase(title: str) -> str:
     return "the" + title[3:] if title.startswith("The ") else title
 
 
-def _docstring_paragraphs() -> list[str]:
+def docstring_paragraphs() -> list[str]:
     """Prose paragraphs from docstrings of public stdlib functions and classes."""
     found: set[str] = set()
     with warnings.catch_warnings():
@@ -442,7 +442,7 @@ def _qa_pool(rng: random.Random) -> list[str]:
 
 
 def _rewriting_pool() -> list[str]:
-    return [_REWRITE.format(text=p) for p in _docstring_paragraphs()]
+    return [_REWRITE.format(text=p) for p in docstring_paragraphs()]
 
 
 def _code_pool() -> list[str]:
