@@ -1,4 +1,4 @@
-"""Self-distillation data: prompts built like the offline suite (never its benchmark questions) plus
+"""Self-distillation data: prompts built like the offline suite (never its benchmark questions), optionally
 general chat instructions (`heads/instruction_prompts.py`), and the target's own greedy continuations,
 generated in left-padded batches (specdec's compact model, else transformers).
 
