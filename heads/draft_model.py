@@ -70,6 +70,18 @@ def fingerprint(target: LoadedModel) -> list[int]:
     return [int(i) for i in emb.detach()[rows.to(emb.device)].float().abs().argmax(-1).tolist()]
 
 
+def check_drafter_meta(meta: dict[str, Any], target: LoadedModel, what: str, fix: str) -> None:
+    """One-line SpecdecError unless `meta` (a saved drafter's config) names target's sizes and embedding."""
+    base = meta.get("base_model", "?")
+    if int(meta["hidden_size"]) != target.hidden_size or int(meta["vocab_size"]) != target.vocab_size:
+        raise SpecdecError(f"{what} was trained for {base} (hidden {meta['hidden_size']}, vocab {meta['vocab_size']}), "
+                           f"not {target.name} (hidden {target.hidden_size}, vocab {target.vocab_size}); {fix}")
+    mine, theirs = fingerprint(target), meta.get("fingerprint") or []
+    agree = sum(a == b for a, b in zip(mine, theirs)) / max(1, len(mine))
+    if len(theirs) != len(mine) or agree < 0.9:
+        raise SpecdecError(f"{what} was trained for {base}, whose embedding differs from {target.name}'s; {fix}")
+
+
 def target_hf_config(target: LoadedModel) -> Any:
     from transformers import AutoConfig
 
@@ -152,18 +164,8 @@ class DraftCheckpoint:
     _bound: dict[int, DraftModel] = field(default_factory=dict, repr=False)
 
     def check(self, target: LoadedModel) -> None:
-        m = self.meta
-        fix = f"train one with `python -m heads.train head=draft model={target.name}` (see README)"
-        base = m.get("base_model", "?")
-        if int(m["hidden_size"]) != target.hidden_size or int(m["vocab_size"]) != target.vocab_size:
-            raise SpecdecError(f"the draft in {self.folder} was trained for {base} (hidden {m['hidden_size']}, vocab "
-                               f"{m['vocab_size']}), not {target.name} (hidden {target.hidden_size}, vocab "
-                               f"{target.vocab_size}); {fix}")
-        mine, theirs = fingerprint(target), m.get("fingerprint") or []
-        agree = sum(a == b for a, b in zip(mine, theirs)) / max(1, len(mine))
-        if len(theirs) != len(mine) or agree < 0.9:
-            raise SpecdecError(f"the draft in {self.folder} was trained for {base}, whose embedding differs from "
-                               f"{target.name}'s; {fix}")
+        check_drafter_meta(self.meta, target, f"the draft in {self.folder}",
+                          f"train one with `python -m heads.train head=draft model={target.name}` (see README)")
 
     def bind(self, target: LoadedModel) -> DraftModel:
         key = id(target)

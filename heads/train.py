@@ -145,7 +145,7 @@ def collate(rows: list[dict[str, Any]], seq_len: int, pad_id: int, store: Hidden
     return batch
 
 
-class _NoCache:
+class NoCache:
     """Stands in for the KV cache in a training forward: attention over the batch's own tokens."""
 
     def reserve(self, n_new: int) -> None:
@@ -166,7 +166,7 @@ def target_hidden(target: LoadedModel, input_ids: Tensor, attention_mask: Tensor
         B, T = input_ids.shape
         pos = torch.arange(T, device=target.device).expand(B, T)
         causal = torch.ones(T, T, dtype=torch.bool, device=target.device).tril()[None, None]  # (1, 1, T, T)
-        _, h = target.model(input_ids, pos, _NoCache(), causal, logits_from=T)
+        _, h = target.model(input_ids, pos, NoCache(), causal, logits_from=T)
         return h.float()
     out = target.model(input_ids=input_ids, attention_mask=attention_mask.to(target.device),
                        output_hidden_states=True)

@@ -57,18 +57,19 @@ def test_smollm2_logits_match_transformers() -> None:
     assert torch.equal(out.logits.argmax(-1), ref.argmax(-1))
 
 
-def test_shipped_draft_and_medusa_reproduce_greedy(tmp_path: Path) -> None:
-    """The committed draft (confidence schedule) and Medusa heads (tuned tree), as configured by default."""
+def test_shipped_drafters_reproduce_greedy(tmp_path: Path) -> None:
+    """The committed draft (confidence schedule), Medusa heads (tuned tree) and EAGLE-style drafter, as
+    configured by default."""
     data = tmp_path / "questions.jsonl"
     questions = ["Write a Python function that returns the sum of a list.", "What is 17 times 3?"]
     data.write_text("".join(json.dumps({"question_id": i, "category": "qa", "turns": [q]}) + "\n"
                             for i, q in enumerate(questions)))
     with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base=None):
-        cfg = compose("run", overrides=["model=smollm2-135m", "strategies=[greedy,draft,medusa]", "data=jsonl",
+        cfg = compose("run", overrides=["model=smollm2-135m", "strategies=[greedy,draft,medusa,eagle]", "data=jsonl",
                                         f"data.path={data}", "generation.max_new_tokens=48", "warmup=0",
                                         f"output_dir={tmp_path / 'out'}"])
     summary = run(cfg)
-    for name in ("draft", "medusa"):
+    for name in ("draft", "medusa", "eagle"):
         s = summary["strategies"][name]
         assert s["matches_baseline"] == 1.0, name
         assert s["mean_accepted_tokens"] > 1.0, name  # the trained drafters do get tokens accepted

@@ -84,22 +84,32 @@ class Drafter:
 
     def pick_greedy(self, logits: Tensor) -> tuple[int, float]:
         """The draft's argmax as a target id, and its probability under the draft."""
-        if self.token_ids is None:
-            logits = logits[:self.target_vocab]
-        probs = torch.softmax(logits.float(), -1)  # (V_d,) over the draft's own rows: cheap when reduced
-        row = int(probs.argmax())
-        tok = row if self.token_ids is None else int(self.token_ids[row])
-        return tok, float(probs[row])
+        return pick_greedy(logits, self.token_ids, self.target_vocab)
 
     def to_target(self, logits: Tensor) -> Tensor:
         """Draft logits (V_d,) -> logits over the target vocabulary (V_t,), -inf where it never proposes."""
-        logits = logits.float()
-        if self.token_ids is not None:
-            full = logits.new_full((self.target_vocab,), float("-inf"))
-            return full.index_copy(0, self.token_ids, logits)
-        if len(logits) >= self.target_vocab:  # padded embedding rows beyond the target's ids
-            return logits[:self.target_vocab]
-        return torch.cat([logits, logits.new_full((self.target_vocab - len(logits),), float("-inf"))])
+        return to_target(logits, self.token_ids, self.target_vocab)
+
+
+def pick_greedy(logits: Tensor, token_ids: Tensor | None, target_vocab: int) -> tuple[int, float]:
+    """A drafter's argmax over its rows (V_d,) as a target id, and its probability under the drafter."""
+    if token_ids is None:
+        logits = logits[:target_vocab]
+    probs = torch.softmax(logits.float(), -1)  # (V_d,) over the draft's own rows: cheap when reduced
+    row = int(probs.argmax())
+    tok = row if token_ids is None else int(token_ids[row])
+    return tok, float(probs[row])
+
+
+def to_target(logits: Tensor, token_ids: Tensor | None, target_vocab: int) -> Tensor:
+    """Drafter logits (V_d,) -> logits over the target vocabulary (V_t,), -inf where it never proposes."""
+    logits = logits.float()
+    if token_ids is not None:
+        full = logits.new_full((target_vocab,), float("-inf"))
+        return full.index_copy(0, token_ids, logits)
+    if len(logits) >= target_vocab:  # padded embedding rows beyond the target's ids
+        return logits[:target_vocab]
+    return torch.cat([logits, logits.new_full((target_vocab - len(logits),), float("-inf"))])
 
 
 # --------------------------------------------------------------------------------------------------

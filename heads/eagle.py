@@ -1,0 +1,271 @@
+"""An EAGLE-style drafter (Li et al. 2024): one decoder layer that extrapolates the target's features.
+
+Where specdec's plain draft (heads/draft_model.py) sees only tokens, this drafter also reads the
+target's final-norm hidden state h_t: its input at step t is the pair (h_t, token x_{t+1}), fused by
+one linear layer, passed through `layers` decoder blocks of the target's width, and normalised into a
+guess of h_{t+1}. The target's own (frozen) output head, cut to the `kept_vocab` most frequent rows,
+turns that guess into the distribution of x_{t+2}. Drafting further feeds the guessed feature back
+in place of the target's, so training adds noise to the target's features to make the drafter robust
+to its own errors (EAGLE's remedy). The loss regresses the feature (smooth L1) and matches the
+target's distribution (KL), at every position, prompts included.
+
+Saved as OUT/eagle.safetensors (fc, blocks, norm, `kept_ids`) and OUT/eagle.json (base model, its hidden
+and vocabulary size, a fingerprint of its embedding, the block shape, training metadata); loading it
+for another target is a one-line error. Used by `strategy=eagle` (specdec/strategies/eagle.py).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from heads.draft_model import check_drafter_meta, fingerprint, pick_vocab, resolve_path, target_embedding, target_head
+from specdec.errors import SpecdecError
+from specdec.models.llama import Llama, LlamaArgs, rope_inv_freq
+from specdec.models.loader import LoadedModel
+
+FORMAT = "specdec-eagle/1"
+WEIGHTS = "eagle.safetensors"
+CONFIG = "eagle.json"
+
+
+class EagleNet(Llama):
+    """(token x_{t+1}, feature h_t) pairs -> guessed h_{t+1} (B, T, D) and logits over kept rows (B, T, K).
+
+    A Llama of `n_layers` blocks whose input is fc([embed(x); h]) instead of embed(x); it keeps the
+    compact model's static cache, rope and CPU kernels. `token_ids` (K,) maps logit rows to target ids.
+    """
+
+    def __init__(self, args: LlamaArgs, kept: int) -> None:
+        super().__init__(args)
+        self.fc = nn.Linear(2 * args.dim, args.dim, bias=True)
+        self.lm_head = nn.Linear(args.dim, kept, bias=False)
+        self.token_ids: Tensor | None = None
+
+    def forward(self, tokens: Tensor, features: Tensor, positions: Tensor, cache: Any,  # type: ignore[override]
+                mask: Tensor | None = None, logits_from: int = 0) -> tuple[Tensor, Tensor]:
+        cache.reserve(tokens.shape[1])
+        freqs = self.rope(positions)
+        x = self.fc(torch.cat([self.embed(tokens), features.to(self.dtype)], -1))  # (B, T, D)
+        for block in self.layers:
+            x = block(x, freqs, cache, mask)
+        cache.advance(tokens.shape[1])
+        h = self.norm(x)
+        return self.lm_head(h[:, logits_from:]), h
+
+
+def eagle_args(target: LoadedModel, layers: int) -> LlamaArgs:
+    """The target's block shape, `layers` deep."""
+    model = target.model
+    if target.backend == "compact":
+        base: LlamaArgs = model.args
+    else:
+        from heads.draft_model import target_hf_config
+
+        base = LlamaArgs.from_hf(target_hf_config(target))
+    return LlamaArgs(**(asdict(base) | {"n_layers": layers}))
+
+
+# --------------------------------------------------------------------------------------------------
+# Loading (strategy=eagle)
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class EagleCheckpoint:
+    """A saved drafter; `bind(target)` checks it was trained for `target` and builds the network."""
+
+    folder: Path
+    meta: dict[str, Any]
+    _bound: dict[int, EagleNet] = field(default_factory=dict, repr=False)
+
+    def check(self, target: LoadedModel) -> None:
+        check_drafter_meta(self.meta, target, f"the EAGLE drafter in {self.folder}",
+                          f"train one with `python -m heads.train head=eagle model={target.name}`")
+
+    def bind(self, target: LoadedModel) -> EagleNet:
+        key = id(target)
+        if key not in self._bound:
+            self.check(target)
+            from safetensors.torch import load_file
+
+            tensors = load_file(str(self.folder / WEIGHTS))
+            kept_ids = tensors.pop("kept_ids").long().to(target.device)
+            args = LlamaArgs(**self.meta["args"])
+            with torch.device("meta"):
+                net = EagleNet(args, len(kept_ids))
+            own = {k: v.to(device=target.device, dtype=target.dtype) for k, v in tensors.items()}
+            own["embed.weight"] = target_embedding(target).detach()
+            own["lm_head.weight"] = target_head(target).detach()[kept_ids].to(target.dtype).contiguous()
+            net.load_state_dict(own, strict=True, assign=True)
+            net.inv_freq = rope_inv_freq(args).to(target.device)  # the meta-device buffer holds no values
+            net.eval().requires_grad_(False)
+            net.token_ids = kept_ids
+            if target.matmul != "torch":
+                from specdec.models.cpu_linear import use_matmul
+
+                use_matmul(net, target.matmul)  # the same CPU kernels as the target (see cpu_linear.py)
+            self._bound[key] = net
+        return self._bound[key]
+
+
+def load_eagle(path: str) -> EagleCheckpoint:
+    """Entry point of configs/strategy/eagle.yaml: the drafter in `path` (heads/checkpoints/MODEL-eagle)."""
+    folder = resolve_path(path)
+    if not (folder / CONFIG).is_file() or not (folder / WEIGHTS).is_file():
+        model = folder.name.removesuffix("-eagle") or "MODEL"
+        raise SpecdecError(f"no trained EAGLE drafter in {folder}; run `python -m heads.train head=eagle "
+                           f"model={model}` first")
+    meta = json.loads((folder / CONFIG).read_text())
+    if meta.get("format") != FORMAT:
+        raise SpecdecError(f"{folder / CONFIG} is not a specdec EAGLE drafter ({FORMAT}); retrain it with "
+                           "python -m heads.train head=eagle")
+    return EagleCheckpoint(folder, meta)
+
+
+# --------------------------------------------------------------------------------------------------
+# Training (heads.train's Trainable)
+# --------------------------------------------------------------------------------------------------
+
+
+class EagleTrainModule(nn.Module):
+    """EagleNet over whole right-padded sequences, causal attention among their own pairs."""
+
+    def __init__(self, net: EagleNet) -> None:
+        super().__init__()
+        self.net = net
+
+    def forward(self, tokens: Tensor, features: Tensor) -> tuple[Tensor, Tensor]:
+        from heads.train import NoCache
+
+        B, T = tokens.shape
+        pos = torch.arange(T, device=tokens.device).expand(B, T)
+        causal = torch.ones(T, T, dtype=torch.bool, device=tokens.device).tril()[None, None]  # (1, 1, T, T)
+        return self.net(tokens, features, pos, NoCache(), causal)
+
+
+class EagleTrainable:
+    """heads.train's Trainable for the EAGLE-style drafter (configs/head/eagle.yaml)."""
+
+    needs_hidden = True
+
+    def __init__(self, name: str = "eagle", layers: int = 1, kept_vocab: int = 8192, reg_weight: float = 1.0,
+                 kl_weight: float = 1.0, noise: float = 0.1, unroll: int = 2, save_dtype: str = "fp16") -> None:
+        if layers < 1:
+            raise SpecdecError(f"head.layers={layers} must be at least 1")
+        if save_dtype not in ("fp16", "bf16", "fp32"):
+            raise SpecdecError(f"head.save_dtype={save_dtype!r}; use fp16, bf16 or fp32")
+        if noise < 0 or reg_weight < 0 or kl_weight < 0 or reg_weight + kl_weight == 0:
+            raise SpecdecError("head.noise, head.reg_weight and head.kl_weight must be >= 0, the weights not both 0")
+        if unroll < 1:
+            raise SpecdecError(f"head.unroll={unroll} must be at least 1 (1: train on the target's features only)")
+        self.name = name
+        self.layers = layers
+        self.kept_vocab = kept_vocab
+        self.reg_weight = reg_weight
+        self.kl_weight = kl_weight
+        self.noise = noise
+        self.unroll = unroll
+        self.save_dtype = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}[save_dtype]
+        self.target: LoadedModel | None = None
+        self.args: LlamaArgs | None = None
+        self.kept_ids: Tensor | None = None
+        self.to_kept: Tensor | None = None  # (V,) target id -> kept row, -1 if not kept
+
+    def build(self, target: LoadedModel, data: Any) -> nn.Module:
+        self.target = target
+        self.args = eagle_args(target, self.layers)
+        V = target.vocab_size
+        self.kept_ids = pick_vocab(data, V, self.kept_vocab, list(target.eos_ids))
+        self.to_kept = torch.full((V,), -1, dtype=torch.long)
+        self.to_kept[self.kept_ids] = torch.arange(len(self.kept_ids))
+        embed = target_embedding(target).detach().float()
+        torch.manual_seed(0)
+        with torch.device("meta"):
+            net = EagleNet(self.args, len(self.kept_ids))
+        net.to_empty(device=embed.device)
+        for m in net.modules():  # fresh blocks and fc; the target's norm scale as the output's starting scale
+            if isinstance(m, nn.Linear):
+                m.reset_parameters()
+            elif hasattr(m, "weight") and m.weight.dim() == 1:
+                nn.init.ones_(m.weight)
+        net.embed.weight = nn.Parameter(embed, requires_grad=False)
+        head = target_head(target).detach().float()[self.kept_ids.to(embed.device)].clone()  # (K, D)
+        net.lm_head.weight = nn.Parameter(head, requires_grad=False)
+        net.norm.weight.data.copy_(_final_norm_weight(target))
+        net.inv_freq = rope_inv_freq(self.args).to(embed.device)
+        return EagleTrainModule(net)
+
+    def loss(self, module: nn.Module, batch: dict[str, Tensor],
+             target_hidden: Tensor | None) -> tuple[Tensor, dict[str, float]]:
+        assert self.to_kept is not None and target_hidden is not None
+        ids, labels = batch["input_ids"], batch["labels"]
+        h = target_hidden.float()  # (B, T, D)
+        feats = h[:, :-1]
+        if module.training and self.noise > 0:  # the drafter must cope with its own imperfect features
+            rms = feats.pow(2).mean(-1, keepdim=True).sqrt()
+            feats = feats + (torch.rand_like(feats) * 2 - 1) * self.noise * rms
+        valid = batch["attention_mask"][:, 1:].bool()
+        if not valid.any():
+            return feats.sum() * 0.0, {"reg": 0.0, "kl": 0.0, "acc": 0.0}
+        nxt = h[:, 1:][valid]
+        head = module.net.lm_head.weight if hasattr(module, "net") else module.module.net.lm_head.weight
+        p_log = F.log_softmax(F.linear(nxt, head.float()), -1)
+        loss = feats.new_zeros(())
+        logs: dict[str, float] = {}
+        step_logits: list[Tensor] = []
+        for step in range(self.unroll):
+            # step 1: pair t on the target's h_t; step s > 1: on the guess of h_t made at step s - 1 by pair
+            # t - 1, as drafting feeds its own guesses back (pair 0 keeps its real feature)
+            logits, guess = module(ids[:, 1:], feats)  # (B, T-1, K), (B, T-1, D): pair t predicts h_{t+1}, x_{t+2}
+            reg = F.smooth_l1_loss(guess[valid].float(), nxt)
+            kl = F.kl_div(F.log_softmax(logits[valid].float(), -1), p_log, log_target=True, reduction="batchmean")
+            loss = loss + (self.reg_weight * reg + self.kl_weight * kl) / self.unroll
+            suffix = "" if step == 0 else f"{step + 1}"
+            logs |= {f"reg{suffix}": float(reg.detach()), f"kl{suffix}": float(kl.detach())}
+            step_logits.append(logits.detach())
+            feats = torch.cat([feats[:, :1], guess[:, :-1]], 1)
+        with torch.no_grad():  # agreement with the target's continuation, on the tokens the drafter can propose
+            small = self.to_kept.to(labels.device)[labels[:, 1:].clamp_min(0)]
+            scored = (labels[:, 1:] >= 0) & (small >= 0)
+            for step, logits in enumerate(step_logits):
+                hit = logits.argmax(-1)[scored] == small[scored]
+                logs[f"acc{'' if step == 0 else step + 1}"] = float(hit.float().mean()) if scored.any() else 0.0
+        return loss, logs
+
+    def save(self, module: nn.Module, out_dir: Path, meta: dict[str, Any]) -> None:
+        from safetensors.torch import save_file
+
+        assert self.target is not None and self.kept_ids is not None and self.args is not None
+        net = module.net  # type: ignore[union-attr]
+        tensors = {k: v.detach().to(self.save_dtype).contiguous().cpu() for k, v in net.state_dict().items()
+                   if not k.startswith(("embed.", "lm_head."))}
+        tensors["kept_ids"] = self.kept_ids.to(torch.int32).cpu()
+        out_dir.mkdir(parents=True, exist_ok=True)
+        save_file(tensors, str(out_dir / WEIGHTS), metadata={"format": FORMAT})
+        config = {
+            "format": FORMAT,
+            "base_model": self.target.name,
+            "base_folder": self.target.folder.name,
+            "hidden_size": self.target.hidden_size,
+            "vocab_size": self.target.vocab_size,
+            "num_layers": self.layers,
+            "kept_vocab": len(self.kept_ids),
+            "fingerprint": fingerprint(self.target),
+            "saved_dtype": str(self.save_dtype).removeprefix("torch."),
+            "args": asdict(self.args),
+            "train": meta,
+        }
+        (out_dir / CONFIG).write_text(json.dumps(config, indent=2, default=str))
+
+
+def _final_norm_weight(target: LoadedModel) -> Tensor:
+    model = target.model
+    norm = model.norm if target.backend == "compact" else model.model.norm
+    return norm.weight.detach().float()

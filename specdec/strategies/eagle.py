@@ -1,0 +1,140 @@
+"""EAGLE-style drafting (Li et al. 2024): a drafter that reads the target's own features.
+
+The drafter (heads/eagle.py) turns the pair (target hidden state h_t, token x_{t+1}) into a guess of
+h_{t+1} and of the token after. Every target pass already returns the hidden states of the tokens it
+verified, so the drafter first catches up on the pairs the last pass made known (real features), then
+drafts a chain by feeding back its own guessed features. The shared loop verifies the chain like any
+draft: greedy match at temperature 0, speculative sampling with the drafter's q otherwise, so the
+output is exactly the target's either way. How many tokens to draft is a `DraftSchedule`.
+
+The drafter's cache is indexed by pair: slot j holds (h_j, x_{j+1}) at position j. Slots built on real
+target features are kept; those built on guessed features are rolled back after each round.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+from torch import Tensor
+
+from specdec.engine.engine import ForwardOut
+from specdec.engine.kv_cache import KVCache
+from specdec.engine.sampling import sample, warp
+from specdec.strategies.base import DecodeState, Proposer, SpeculativeStrategy
+from specdec.strategies.draft import Confidence, DraftSchedule, pick_greedy, to_target
+from specdec.verify import Proposal, Verdict
+
+
+class EagleDraftNet(Protocol):
+    """A bound drafter: (B, T) tokens and (B, T, D) features at (B, T) positions -> logits over its rows
+    (B, T - logits_from, K) and guessed next features (B, T, D), appending to its own cache."""
+
+    token_ids: Tensor | None  # (K,) target id of each logit row; None when rows are target ids
+    device: torch.device
+
+    def new_cache(self, max_len: int, batch: int = 1) -> KVCache: ...
+
+    def __call__(self, tokens: Tensor, features: Tensor, positions: Tensor, cache: KVCache,
+                 mask: Tensor | None = None, logits_from: int = 0) -> tuple[Tensor, Tensor]: ...
+
+
+class TrainedEagle(Protocol):
+    """What configs/strategy/eagle.yaml builds (heads.eagle.load_eagle): checks and binds to a target."""
+
+    def bind(self, target: Any) -> EagleDraftNet: ...
+
+
+@dataclass
+class EagleProposer:
+    net: EagleDraftNet
+    cache: KVCache
+    schedule: DraftSchedule
+    target_vocab: int
+    fed: int = 0  # pairs in the cache built on the target's real features
+    pending: Tensor | None = None  # (n, D) target features of pairs fed.. not yet in the cache
+    _confidences: list[float] = field(default_factory=list)
+    _drafted: int = 0
+    _draft_s: float = 0.0
+    _proposed_at: float = 0.0
+
+    def start(self, state: DecodeState, out: ForwardOut) -> None:
+        self.cache.rollback(0)
+        self.fed = 0
+        self.pending = out.hidden  # (P, D): h_0 .. h_{P-1}, the pairs' features up to the first new token
+
+    def _run(self, tokens: list[int], features: Tensor, start: int, last_only: bool) -> tuple[Tensor, Tensor]:
+        device = self.net.device
+        n = len(tokens)
+        pos = torch.arange(start, start + n, device=device)[None]  # (1, n)
+        mask = self.cache.attention_mask(None, n)
+        logits, guess = self.net(torch.tensor(tokens, device=device)[None], features.to(device)[None], pos,
+                                 self.cache, mask, logits_from=n - 1 if last_only else 0)
+        return logits[0, -1], guess[0, -1]  # (K,), (D,)
+
+    def propose(self, state: DecodeState) -> Proposal | None:
+        t0 = time.perf_counter()
+        L = len(state.ids)
+        room = self.cache.max_len - L
+        budget = state.params.max_new_tokens - state.output_len - 1  # the target adds one token itself
+        k_max = min(self.schedule.length(), budget, room)
+        assert self.pending is not None and len(self.pending) == L - 1 - self.fed, "drafter out of step"
+        if k_max < 1:
+            self._drafted = 0
+            return None
+        sp = state.params.sampling
+        # catch up: pairs fed .. L-2 carry real features; the last one's guess drafts token L
+        logits, guess = self._run(state.ids[self.fed + 1:L], self.pending, self.fed, last_only=True)
+        self.fed, self.pending = L - 1, self.pending[:0]
+        tokens: list[int] = []
+        probs: list[Tensor] = []
+        self._confidences = []
+        while True:
+            if sp.greedy:
+                tok, conf = pick_greedy(logits, self.net.token_ids, self.target_vocab)
+            else:
+                q = warp(to_target(logits, self.net.token_ids, self.target_vocab), sp)  # (V_t,) as the target's p
+                tok = sample(q, state.generator)
+                conf = float(q.max())
+                probs.append(q)
+            tokens.append(tok)
+            self._confidences.append(conf)
+            if len(tokens) == k_max or not self.schedule.keep_drafting(len(tokens), conf):
+                break
+            # the pair (guessed h_{L-2+i}, drafted token) at position L-2+i
+            logits, guess = self._run([tok], guess[None], L - 2 + len(tokens), last_only=True)
+        self._drafted = len(tokens)
+        self._proposed_at = time.perf_counter()
+        self._draft_s = self._proposed_at - t0
+        return Proposal(tokens=torch.tensor(tokens), parents=list(range(len(tokens))),
+                        probs=torch.stack(probs) if probs else None)
+
+    def commit(self, state: DecodeState, verdict: Verdict, out: ForwardOut) -> None:
+        target_s = time.perf_counter() - self._proposed_at
+        self.cache.rollback(self.fed)  # forget pairs built on guessed features
+        # the pass fed [root, drafts]; the root and the accepted drafts now have real features
+        known = out.hidden[[0, *verdict.nodes]]  # (1 + accepted, D)
+        self.pending = torch.cat([self.pending, known])[:len(state.ids) - 1 - self.fed] \
+            if self.pending is not None else known
+        if self._drafted:
+            self.schedule.update(self._drafted, len(verdict.nodes), self._confidences, self._draft_s, target_s)
+            self._drafted = 0
+
+
+class EagleStrategy(SpeculativeStrategy):
+    """Speculative decoding with an EAGLE-style drafter on the target's features (compact or hf target)."""
+
+    def __init__(self, target: Any, name: str, drafter: TrainedEagle | EagleDraftNet,
+                 schedule: DraftSchedule | None = None, max_len: int = 2048, prefill_chunk: int = 512) -> None:
+        super().__init__(target, name, max_len, prefill_chunk)
+        # a saved drafter is checked against the target and bound to it; a network is used as given
+        self.net: EagleDraftNet = drafter.bind(target) if hasattr(drafter, "bind") else drafter  # type: ignore[assignment]
+        self.cache = self.net.new_cache(max_len)
+        self.schedule = schedule if schedule is not None else Confidence(0.4, 3)
+        self.last_proposer: EagleProposer | None = None
+
+    def make_proposer(self) -> Proposer:
+        self.last_proposer = EagleProposer(self.net, self.cache, self.schedule, self.target.vocab_size)
+        return self.last_proposer

@@ -1,0 +1,228 @@
+"""EAGLE-style drafting: losslessness, the drafter's pair bookkeeping, sampling, training, artifacts."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from helpers import assert_kv_matches_fresh
+from hydra import compose, initialize_config_dir
+from hydra.utils import instantiate
+from omegaconf import OmegaConf
+
+from heads.eagle import EagleTrainable, load_eagle
+from heads.train import train
+from specdec.cli_checks import CONFIG_DIR
+from specdec.engine.kv_cache import KVCache
+from specdec.engine.sampling import SamplingParams, warp
+from specdec.errors import SpecdecError
+from specdec.models.loader import LoadedModel, load_model
+from specdec.strategies.base import DecodeState, GenerationParams
+from specdec.strategies.draft import Confidence, FixedLength
+from specdec.strategies.eagle import EagleStrategy
+from specdec.strategies.greedy import Greedy
+
+PROMPTS = ["Summarize: the quick brown fox jumps over the lazy dog.", "def add(a, b):\n    return"]
+
+
+def prompt_ids(target: LoadedModel, text: str) -> list[int]:
+    return target.chat_ids([{"role": "user", "content": text}])
+
+
+def greedy_ids(target: LoadedModel, prompt: list[int], n: int) -> list[int]:
+    return Greedy(target, "greedy", 512, 64).generate(prompt, GenerationParams(n), 0).output_ids
+
+
+@pytest.fixture(scope="module")
+def untrained(tiny_target: LoadedModel, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A randomly initialised drafter, saved and loaded the way a trained one is."""
+    trainable = EagleTrainable(kept_vocab=0, save_dtype="fp32")
+    module = trainable.build(tiny_target, None)
+    with torch.no_grad():  # random blocks give a near-uniform drafter; sharpen it so it drafts confidently
+        module.net.fc.weight.mul_(8)
+    out = tmp_path_factory.mktemp("eagle")
+    trainable.save(module, out, {"steps": 0})
+    return out
+
+
+class OracleNet:
+    """A test drafter that is always right at temperature 0: it ignores the features and runs the target
+    itself over x_0 and the pairs' tokens. Its answers are right only if the proposer feeds the pairs at
+    the right slots and positions and rolls back exactly the guessed ones."""
+
+    token_ids = None
+
+    def __init__(self, target: LoadedModel, first_token: int) -> None:
+        self.model = target.model
+        self.first = first_token
+        self.device = target.model.device
+        self.inner = target.model.new_cache(512)  # the target's K/V of x_0 and of every pair's token
+
+    def new_cache(self, max_len: int, batch: int = 1) -> KVCache:
+        return KVCache(1, batch, 1, max_len, 1, torch.float32, "cpu")  # only its lengths are used
+
+    def __call__(self, tokens: torch.Tensor, features: torch.Tensor, positions: torch.Tensor, cache: KVCache,
+                 mask: torch.Tensor | None = None, logits_from: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        pairs = cache.lengths[0]
+        assert int(positions[0, 0]) == pairs and features.shape[:2] == tokens.shape  # pair j at slot/position j
+        self.inner.rollback(pairs + 1 if pairs else 0)
+        if not pairs:
+            tokens, positions = torch.cat([torch.tensor([[self.first]]), tokens], 1), torch.cat(
+                [positions[:, :1] - 1, positions], 1)
+        attn = self.inner.attention_mask(None, tokens.shape[1])
+        logits, h = self.model(tokens, positions + 1, self.inner, attn)
+        cache.reserve(tokens.shape[1])
+        cache.advance(features.shape[1])
+        n = features.shape[1]
+        return logits[:, -n:][:, logits_from:], h[:, -n:]
+
+
+@pytest.mark.parametrize("schedule", [FixedLength(4), Confidence(0.3, 3)], ids=["fixed4", "confidence"])
+def test_eagle_reproduces_greedy(tiny_target: LoadedModel, untrained: Path, schedule: Any) -> None:
+    strategy = EagleStrategy(tiny_target, "eagle", load_eagle(str(untrained)), schedule, 512, 64)
+    for text in PROMPTS:
+        prompt = prompt_ids(tiny_target, text)
+        res = strategy.generate(prompt, GenerationParams(40), 0)
+        assert res.output_ids == greedy_ids(tiny_target, prompt, 40)
+        assert res.proposed > 0
+
+
+def test_an_always_right_drafter_gets_every_token_accepted(tiny_target: LoadedModel) -> None:
+    for text in PROMPTS:
+        prompt = prompt_ids(tiny_target, text)
+        strategy = EagleStrategy(tiny_target, "eagle", OracleNet(tiny_target, prompt[0]), FixedLength(3), 512, 64)
+        res = strategy.generate(prompt, GenerationParams(41), 0)
+        assert res.output_ids == greedy_ids(tiny_target, prompt, 41)
+        assert res.accepted == res.proposed == 30  # ten rounds of 3 drafted + 1 bonus token, all accepted
+        assert res.accept_lengths == [1] + [4] * 10
+
+
+def test_target_cache_matches_recomputation_after_rejections(tiny_target: LoadedModel, untrained: Path) -> None:
+    strategy = EagleStrategy(tiny_target, "eagle", load_eagle(str(untrained)), FixedLength(3), 512, 64)
+    prompt = prompt_ids(tiny_target, PROMPTS[0])
+    out = strategy.engine.prefill(prompt)
+    state = DecodeState(list(prompt), len(prompt), GenerationParams(200), None)
+    state.ids.append(int(out.logits[-1].argmax()))
+    proposer = strategy.make_proposer()
+    proposer.start(state, out)
+    rejected = 0
+    for _ in range(8):
+        proposal = proposer.propose(state)
+        assert proposal is not None
+        verdict, out = strategy._step(state, proposal)
+        rejected += len(verdict.nodes) < len(proposal.tokens)
+        state.ids.extend(verdict.tokens)
+        proposer.commit(state, verdict, out)
+        assert_kv_matches_fresh(strategy.engine, state.ids[:-1])
+        # the drafter keeps only pairs on real features: one per committed token but the newest
+        assert proposer.fed + len(proposer.pending) == len(state.ids) - 1 == strategy.cache.lengths[0] + len(
+            proposer.pending)
+        fresh = strategy.engine.prefill(state.ids[:-1]).hidden  # the target's features (and cache as it was)
+        torch.testing.assert_close(proposer.pending, fresh[proposer.fed:], atol=1e-4, rtol=1e-4)
+    assert rejected >= 4
+
+
+@pytest.mark.parametrize("drafter", ["oracle", "random"])
+def test_speculative_sampling_preserves_target_distribution(tiny_target: LoadedModel, untrained: Path,
+                                                            drafter: str) -> None:
+    from scipy.stats import chisquare
+
+    sp = SamplingParams(temperature=0.3, top_p=0.9)
+    prompt = prompt_ids(tiny_target, "Hello")
+    net = OracleNet(tiny_target, prompt[0]) if drafter == "oracle" else load_eagle(str(untrained))
+    strategy = EagleStrategy(tiny_target, "eagle", net, FixedLength(3), 256, 64)
+    base = len(prompt) - 1  # the last prompt token is the root
+    params = GenerationParams(8, sp)
+    counts = torch.zeros(tiny_target.vocab_size)
+    n = 300
+    out = strategy.engine.prefill(prompt[:-1])
+    proposer = strategy.make_proposer()
+    qs = []
+    for seed in range(n):
+        state = DecodeState(list(prompt), base, params, torch.Generator().manual_seed(seed))
+        proposer.start(state, out)
+        proposal = proposer.propose(state)
+        assert proposal is not None and proposal.probs is not None
+        qs.append(proposal.probs[0])
+        verdict, _ = strategy._step(state, proposal)
+        counts[verdict.tokens[0]] += 1
+        strategy.engine.rollback(base)
+    p = warp(strategy.engine.prefill(prompt).logits[-1], sp)  # (V,) the target's distribution
+    assert counts[p == 0].sum() == 0
+    big = p * n >= 5
+    observed = torch.cat([counts[big], counts[~big].sum()[None]])
+    expected = torch.cat([p[big], p[~big].sum()[None]]) * n
+    keep = expected > 0
+    assert big.sum() >= 4
+    assert chisquare(observed[keep].numpy(), expected[keep].numpy()).pvalue > 1e-3
+    tv = 0.5 * float((p - qs[0]).abs().sum())
+    assert (tv < 1e-4) if drafter == "oracle" else (tv > 0.5)  # the two cases really differ
+
+
+def test_saved_drafter_round_trips_and_refuses_another_target(tiny_target: LoadedModel, untrained: Path) -> None:
+    meta = json.loads((untrained / "eagle.json").read_text())
+    assert meta["base_model"] == "tiny-llama" and meta["hidden_size"] == tiny_target.hidden_size
+    ckpt = load_eagle(str(untrained))
+    net = ckpt.bind(tiny_target)
+    trainable = EagleTrainable(kept_vocab=0, save_dtype="fp32")
+    module = trainable.build(tiny_target, None)
+    with torch.no_grad():
+        module.net.fc.weight.mul_(8)
+    ids = torch.tensor([[5, 9, 31, 7, 2]])
+    feats = torch.randn(1, 5, tiny_target.hidden_size)
+    with torch.no_grad():
+        ref_logits, ref_h = module(ids, feats)
+        cache = net.new_cache(64)
+        logits, h = net(ids, feats, torch.arange(5)[None], cache, cache.attention_mask(None, 5))
+    torch.testing.assert_close(logits, ref_logits, atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(h, ref_h, atol=1e-5, rtol=1e-4)
+    other = load_model("tiny-wide", "builtin:tiny-llama", matmul="torch", tiny={"hidden_size": 32})
+    with pytest.raises(SpecdecError, match="trained for tiny-llama"):
+        ckpt.bind(other)
+    with pytest.raises(SpecdecError, match="head=eagle"):
+        load_eagle(str(untrained / "missing"))
+
+
+def test_short_training_lowers_loss_and_ships_a_lossless_drafter(tmp_path: Path, tiny_target: LoadedModel) -> None:
+    out = tmp_path / "eagle"
+    with initialize_config_dir(str(CONFIG_DIR), version_base=None):
+        cfg = compose("train", overrides=[
+            "model=tiny-llama", "head=eagle", f"output_dir={out}", f"data.cache_dir={tmp_path / 'data'}",
+            "data.per_category=1", "data.seeds=[1]", "data.max_new_tokens=16", "data.batch_size=4",
+            "train.batch_size=2", "train.seq_len=96", "train.torch_threads=1", "train.log_every=100",
+            "train.val_fraction=0", "train.max_steps=30", "train.lr=3e-3", "head.kept_vocab=128"])
+    meta = train(cfg)
+    assert meta["steps"] == 30 and meta["last_loss"] < 0.7 * meta["first_loss"]
+    assert "# eagle for tiny-llama" in (out / "README.md").read_text()
+    scfg = OmegaConf.load(CONFIG_DIR / "strategy" / "eagle.yaml")
+    scfg.drafter.path = str(out)
+    scfg.schedule.threshold = 0.0
+    strategy = instantiate(scfg)(target=tiny_target, max_len=512, prefill_chunk=64)
+    assert strategy.net.token_ids is not None and len(strategy.net.token_ids) == 128
+    prompt = prompt_ids(tiny_target, "Rewrite this sentence politely.")
+    res = strategy.generate(prompt, GenerationParams(24), 0)
+    assert res.output_ids == greedy_ids(tiny_target, prompt, 24)
+
+
+@pytest.mark.parametrize("backend,matmul", [("hf", "torch"), ("compact", "numba")])
+def test_eagle_runs_on_every_target_path(load_tiny: Any, tmp_path: Path, backend: str, matmul: str) -> None:
+    """The transformers backend (features from its hidden states) and the numba CPU kernels (the drafter's
+    blocks and linears swapped like the target's) stay lossless."""
+    if matmul == "numba":
+        pytest.importorskip("numba")
+    target = load_tiny("llama", backend=backend, matmul=matmul)
+    trainable = EagleTrainable(kept_vocab=0, save_dtype="fp32")
+    module = trainable.build(target, None)
+    with torch.no_grad():
+        module.net.fc.weight.mul_(8)
+    trainable.save(module, tmp_path, {"steps": 0})
+    strategy = EagleStrategy(target, "eagle", load_eagle(str(tmp_path)), FixedLength(3), 256, 64)
+    reference = load_tiny("llama")
+    for seed in (3, 4):
+        prompt = torch.randint(3, 200, (12,), generator=torch.Generator().manual_seed(seed)).tolist()
+        want = Greedy(reference, "greedy", 256, 64).generate(prompt, GenerationParams(30), 0).output_ids
+        res = strategy.generate(prompt, GenerationParams(30), 0)
+        assert res.output_ids == want and res.proposed > 0
