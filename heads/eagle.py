@@ -27,7 +27,7 @@ from torch import Tensor, nn
 
 from heads.draft_model import check_drafter_meta, fingerprint, pick_vocab, resolve_path, target_embedding, target_head
 from specdec.errors import SpecdecError
-from specdec.models.llama import Llama, LlamaArgs, rope_inv_freq
+from specdec.models.llama import SUPPORTED_TYPES, Llama, LlamaArgs, rope_inv_freq
 from specdec.models.loader import LoadedModel
 
 FORMAT = "specdec-eagle/1"
@@ -68,7 +68,13 @@ def eagle_args(target: LoadedModel, layers: int) -> LlamaArgs:
     else:
         from heads.draft_model import target_hf_config
 
-        base = LlamaArgs.from_hf(target_hf_config(target))
+        cfg = target_hf_config(target)
+        try:
+            base = LlamaArgs.from_hf(cfg)
+        except SpecdecError:  # from_hf's hint (use model.backend=hf) does not apply to the drafter
+            raise SpecdecError(f"the EAGLE drafter copies the target's decoder block, which it has for "
+                               f"{', '.join(SUPPORTED_TYPES)} models, not {cfg.model_type} ({target.name}); use "
+                               "strategy=draft_lm or medusa with this target") from None
     return LlamaArgs(**(asdict(base) | {"n_layers": layers}))
 
 
