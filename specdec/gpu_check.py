@@ -54,8 +54,10 @@ def _prompts(target: LoadedModel, n: int) -> list[list[int]]:
 
 def correctness(device: str, new_tokens: int = 32) -> dict[str, Any]:
     """Token agreement of the GPU's strategies with its own greedy, and of the GPU's greedy with the CPU's."""
+    from heads.eagle import EagleTrainable
     from heads.medusa import medusa_heads
     from specdec.strategies.draft import DraftStrategy, FixedLength
+    from specdec.strategies.eagle import EagleStrategy
     from specdec.strategies.greedy import Greedy
     from specdec.strategies.medusa import Medusa
     from specdec.strategies.prompt_lookup import PromptLookup
@@ -72,6 +74,9 @@ def correctness(device: str, new_tokens: int = 32) -> dict[str, Any]:
         "draft_self": DraftStrategy(gpu, "draft", gpu, FixedLength(4), 512),  # the target drafts: all accepted
         "medusa_tree": Medusa(gpu, max_len=512, heads=medusa_heads(gpu, num_heads=3, seed=0), tree="default"),
         "prompt_lookup": PromptLookup(gpu, max_len=512),
+        # an untrained EAGLE-style drafter on the GPU target's own hidden states: the pair bookkeeping on CUDA
+        "eagle_random": EagleStrategy(gpu, "eagle", EagleTrainable(kept_vocab=0).build(gpu, None).net.eval(),
+                                      FixedLength(3), 512),
     }
     out: dict[str, Any] = {"greedy_gpu_vs_cpu": _agreement(ref_gpu, ref_cpu)}
     for name, s in strategies.items():
