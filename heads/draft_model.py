@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -156,22 +156,52 @@ def _hf_draft(hf_config: Any, layers: dict[str, Tensor], embed: Tensor, head: Te
 
 
 @dataclass
-class DraftCheckpoint:
-    """A saved draft (what configs/strategy/draft.yaml builds); `bind(target)` checks and loads it."""
+class SavedDrafter:
+    """A drafter `python -m heads.train head=HEAD` saved (weights and a JSON config); `bind(target)` checks
+    that it was trained for `target` (a one-line SpecdecError otherwise) and builds it once per target."""
 
     folder: Path
     meta: dict[str, Any]
-    _bound: dict[int, DraftModel] = field(default_factory=dict, repr=False)
+    _bound: dict[int, Any] = field(default_factory=dict, repr=False)
+    HEAD: ClassVar[str] = ""  # the configs/head/ entry that trains it
+    WHAT: ClassVar[str] = ""  # how errors name it
 
     def check(self, target: LoadedModel) -> None:
-        check_drafter_meta(self.meta, target, f"the draft in {self.folder}",
-                          f"train one with `python -m heads.train head=draft model={target.name}` (see README)")
+        check_drafter_meta(self.meta, target, f"the {self.WHAT} in {self.folder}",
+                           f"train one with `python -m heads.train head={self.HEAD} model={target.name}` (see README)")
 
-    def bind(self, target: LoadedModel) -> DraftModel:
+    def bind(self, target: LoadedModel) -> Any:
         key = id(target)
-        if key in self._bound:
-            return self._bound[key]
-        self.check(target)
+        if key not in self._bound:
+            self.check(target)
+            self._bound[key] = self.build(target)
+        return self._bound[key]
+
+    def build(self, target: LoadedModel) -> Any:
+        raise NotImplementedError
+
+    @classmethod
+    def load(cls, path: str | Path, config: str, weights: str, fmt: str, alternative: str = "") -> Any:
+        """The drafter saved in `path` (relative: the working directory, then the repository)."""
+        folder = resolve_path(path)
+        if not (folder / config).is_file() or not (folder / weights).is_file():
+            model = folder.name.removesuffix(f"-{cls.HEAD}") or "MODEL"
+            raise SpecdecError(f"no trained {cls.WHAT} in {folder}; run `python -m heads.train head={cls.HEAD} "
+                               f"model={model}` first{alternative}")
+        meta = json.loads((folder / config).read_text())
+        if meta.get("format") != fmt:
+            raise SpecdecError(f"{folder / config} is not a specdec {cls.WHAT} ({fmt}); retrain it with "
+                               f"python -m heads.train head={cls.HEAD}")
+        return cls(folder, meta)
+
+
+class DraftCheckpoint(SavedDrafter):
+    """A saved draft (what configs/strategy/draft.yaml builds)."""
+
+    HEAD = "draft"
+    WHAT = "draft"
+
+    def build(self, target: LoadedModel) -> DraftModel:
         from safetensors.torch import load_file
 
         from specdec.models.cpu_linear import use_matmul
@@ -192,7 +222,6 @@ class DraftCheckpoint:
             use_matmul(net, target.matmul)  # the draft runs its matmuls the way the target does (see cpu_linear.py)
         net._hf_factory = lambda: _hf_draft(hf_config, layers, embed.detach(), small_head, kept_ids,
                                             target.dtype, target.device)
-        self._bound[key] = net
         return net
 
 
@@ -213,16 +242,7 @@ def resolve_path(path: str | Path) -> Path:
 
 def load_draft(path: str) -> DraftCheckpoint:
     """Entry point of the strategy configs: the trained draft in `path` (heads/checkpoints/MODEL-draft)."""
-    folder = resolve_path(path)
-    if not (folder / CONFIG).is_file() or not (folder / WEIGHTS).is_file():
-        model = folder.name.removesuffix("-draft") or "MODEL"
-        raise SpecdecError(f"no trained draft in {folder}; run `python -m heads.train head=draft model={model}` "
-                           "first, or use strategy=draft_lm with a draft model")
-    meta = json.loads((folder / CONFIG).read_text())
-    if meta.get("format") != FORMAT:
-        raise SpecdecError(f"{folder / CONFIG} is not a specdec draft ({FORMAT}); retrain it with "
-                           "python -m heads.train head=draft")
-    return DraftCheckpoint(folder, meta)
+    return DraftCheckpoint.load(path, CONFIG, WEIGHTS, FORMAT, ", or use strategy=draft_lm with a draft model")
 
 
 # --------------------------------------------------------------------------------------------------

@@ -17,7 +17,7 @@ for another target is a one-line error. Used by `strategy=eagle` (specdec/strate
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from heads.draft_model import check_drafter_meta, fingerprint, pick_vocab, resolve_path, target_embedding, target_head
+from heads.draft_model import SavedDrafter, fingerprint, pick_vocab, target_embedding, target_head
 from specdec.errors import SpecdecError
 from specdec.models.llama import SUPPORTED_TYPES, Llama, LlamaArgs, rope_inv_freq
 from specdec.models.loader import LoadedModel
@@ -83,56 +83,37 @@ def eagle_args(target: LoadedModel, layers: int) -> LlamaArgs:
 # --------------------------------------------------------------------------------------------------
 
 
-@dataclass
-class EagleCheckpoint:
-    """A saved drafter; `bind(target)` checks it was trained for `target` and builds the network."""
+class EagleCheckpoint(SavedDrafter):
+    """A saved EAGLE-style drafter (what configs/strategy/eagle.yaml builds)."""
 
-    folder: Path
-    meta: dict[str, Any]
-    _bound: dict[int, EagleNet] = field(default_factory=dict, repr=False)
+    HEAD = "eagle"
+    WHAT = "EAGLE drafter"
 
-    def check(self, target: LoadedModel) -> None:
-        check_drafter_meta(self.meta, target, f"the EAGLE drafter in {self.folder}",
-                          f"train one with `python -m heads.train head=eagle model={target.name}`")
+    def build(self, target: LoadedModel) -> EagleNet:
+        from safetensors.torch import load_file
 
-    def bind(self, target: LoadedModel) -> EagleNet:
-        key = id(target)
-        if key not in self._bound:
-            self.check(target)
-            from safetensors.torch import load_file
+        tensors = load_file(str(self.folder / WEIGHTS))
+        kept_ids = tensors.pop("kept_ids").long().to(target.device)
+        args = LlamaArgs(**self.meta["args"])
+        with torch.device("meta"):
+            net = EagleNet(args, len(kept_ids))
+        own = {k: v.to(device=target.device, dtype=target.dtype) for k, v in tensors.items()}
+        own["embed.weight"] = target_embedding(target).detach()
+        own["lm_head.weight"] = target_head(target).detach()[kept_ids].to(target.dtype).contiguous()
+        net.load_state_dict(own, strict=True, assign=True)
+        net.inv_freq = rope_inv_freq(args).to(target.device)  # the meta-device buffer holds no values
+        net.eval().requires_grad_(False)
+        net.token_ids = kept_ids
+        if target.matmul != "torch":
+            from specdec.models.cpu_linear import use_matmul
 
-            tensors = load_file(str(self.folder / WEIGHTS))
-            kept_ids = tensors.pop("kept_ids").long().to(target.device)
-            args = LlamaArgs(**self.meta["args"])
-            with torch.device("meta"):
-                net = EagleNet(args, len(kept_ids))
-            own = {k: v.to(device=target.device, dtype=target.dtype) for k, v in tensors.items()}
-            own["embed.weight"] = target_embedding(target).detach()
-            own["lm_head.weight"] = target_head(target).detach()[kept_ids].to(target.dtype).contiguous()
-            net.load_state_dict(own, strict=True, assign=True)
-            net.inv_freq = rope_inv_freq(args).to(target.device)  # the meta-device buffer holds no values
-            net.eval().requires_grad_(False)
-            net.token_ids = kept_ids
-            if target.matmul != "torch":
-                from specdec.models.cpu_linear import use_matmul
-
-                use_matmul(net, target.matmul)  # the same CPU kernels as the target (see cpu_linear.py)
-            self._bound[key] = net
-        return self._bound[key]
+            use_matmul(net, target.matmul)  # the same CPU kernels as the target (see cpu_linear.py)
+        return net
 
 
 def load_eagle(path: str) -> EagleCheckpoint:
     """Entry point of configs/strategy/eagle.yaml: the drafter in `path` (heads/checkpoints/MODEL-eagle)."""
-    folder = resolve_path(path)
-    if not (folder / CONFIG).is_file() or not (folder / WEIGHTS).is_file():
-        model = folder.name.removesuffix("-eagle") or "MODEL"
-        raise SpecdecError(f"no trained EAGLE drafter in {folder}; run `python -m heads.train head=eagle "
-                           f"model={model}` first")
-    meta = json.loads((folder / CONFIG).read_text())
-    if meta.get("format") != FORMAT:
-        raise SpecdecError(f"{folder / CONFIG} is not a specdec EAGLE drafter ({FORMAT}); retrain it with "
-                           "python -m heads.train head=eagle")
-    return EagleCheckpoint(folder, meta)
+    return EagleCheckpoint.load(path, CONFIG, WEIGHTS, FORMAT)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from typing import Any
+
 import torch
 from omegaconf import OmegaConf
 from torch import Tensor
@@ -9,7 +12,8 @@ from torch import Tensor
 from specdec.cli_checks import CONFIG_DIR
 from specdec.engine.engine import StaticEngine
 from specdec.models.loader import LoadedModel, load_model
-from specdec.strategies.base import TurnResult
+from specdec.strategies.base import DecodeState, GenerationParams, SpeculativeStrategy, TurnResult
+from specdec.verify import Proposal, Verdict
 
 
 def chain_forward(model: object, ids: list[int], max_len: int = 256) -> tuple[StaticEngine, Tensor]:
@@ -86,3 +90,21 @@ def check_counters(res: TurnResult, max_new: int) -> None:
     # every pass commits its accepted drafts plus one token, except where the budget cut it
     assert sum(res.accept_lengths[1:]) <= res.accepted + res.decode_steps
     assert sum(res.accept_lengths[1:]) >= res.decode_steps
+
+
+def speculative_rounds(strategy: SpeculativeStrategy, prompt: list[int], rounds: int, params: GenerationParams
+                       ) -> Iterator[tuple[DecodeState, Proposal, Verdict, Any]]:
+    """The greedy decode loop one round at a time, stopping after each commit so a test can inspect the
+    caches: yields (state, proposal, verdict, proposer)."""
+    out = strategy.engine.prefill(prompt)
+    state = DecodeState(list(prompt), len(prompt), params, None)
+    state.ids.append(int(out.logits[-1].argmax()))
+    proposer = strategy.make_proposer()
+    proposer.start(state, out)
+    for _ in range(rounds):
+        proposal = proposer.propose(state)
+        assert proposal is not None
+        verdict, out = strategy._step(state, proposal)
+        state.ids.extend(verdict.tokens)
+        proposer.commit(state, verdict, out)
+        yield state, proposal, verdict, proposer

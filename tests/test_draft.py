@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import assert_kv_matches_fresh
+from helpers import assert_kv_matches_fresh, speculative_rounds
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
@@ -81,21 +81,10 @@ def test_every_schedule_reproduces_greedy(target: LoadedModel, wrong_draft: Load
 
 def test_caches_match_recomputation_after_rejections(target: LoadedModel, wrong_draft: LoadedModel) -> None:
     strategy = DraftStrategy(target, "draft", wrong_draft, FixedLength(3), 512, 64)
-    prompt = prompt_ids(target, PROMPTS[0])
-    params = GenerationParams(200)
-    out = strategy.engine.prefill(prompt)
-    state = DecodeState(list(prompt), len(prompt), params, None)
-    state.ids.append(int(out.logits[-1].argmax()))
-    proposer = strategy.make_proposer()
-    proposer.start(state, out)
     rejected = 0
-    for _ in range(8):
-        proposal = proposer.propose(state)
-        assert proposal is not None
-        verdict, out = strategy._step(state, proposal)
+    for state, proposal, verdict, proposer in speculative_rounds(strategy, prompt_ids(target, PROMPTS[0]), 8,
+                                                                 GenerationParams(200)):
         rejected += len(verdict.nodes) < len(proposal.tokens)
-        state.ids.extend(verdict.tokens)
-        proposer.commit(state, verdict, out)
         # the target cache holds everything but the root; the draft cache a prefix of the sequence
         assert_kv_matches_fresh(strategy.engine, state.ids[:-1])
         fed = proposer.fed
@@ -106,19 +95,9 @@ def test_caches_match_recomputation_after_rejections(target: LoadedModel, wrong_
 
 def test_draft_cache_catches_up_after_full_acceptance(target: LoadedModel) -> None:
     strategy = DraftStrategy(target, "draft", target, FixedLength(3), 512, 64)
-    prompt = prompt_ids(target, PROMPTS[1])
-    out = strategy.engine.prefill(prompt)
-    state = DecodeState(list(prompt), len(prompt), GenerationParams(100), None)
-    state.ids.append(int(out.logits[-1].argmax()))
-    proposer = strategy.make_proposer()
-    proposer.start(state, out)
-    for _ in range(3):
-        proposal = proposer.propose(state)
-        assert proposal is not None
-        verdict, out = strategy._step(state, proposal)
+    for state, _, verdict, proposer in speculative_rounds(strategy, prompt_ids(target, PROMPTS[1]), 3,
+                                                          GenerationParams(100)):
         assert len(verdict.nodes) == 3
-        state.ids.extend(verdict.tokens)
-        proposer.commit(state, verdict, out)
         # the last drafted token and the bonus token are fed with the next proposal
         assert len(state.ids) - len(proposer.fed) == 2
         assert_kv_matches_fresh(strategy.drafter.engine, proposer.fed)

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import assert_kv_matches_fresh
+from helpers import assert_kv_matches_fresh, speculative_rounds
 from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
@@ -102,20 +102,10 @@ def test_an_always_right_drafter_gets_every_token_accepted(tiny_target: LoadedMo
 
 def test_target_cache_matches_recomputation_after_rejections(tiny_target: LoadedModel, untrained: Path) -> None:
     strategy = EagleStrategy(tiny_target, "eagle", load_eagle(str(untrained)), FixedLength(3), 512, 64)
-    prompt = prompt_ids(tiny_target, PROMPTS[0])
-    out = strategy.engine.prefill(prompt)
-    state = DecodeState(list(prompt), len(prompt), GenerationParams(200), None)
-    state.ids.append(int(out.logits[-1].argmax()))
-    proposer = strategy.make_proposer()
-    proposer.start(state, out)
     rejected = 0
-    for _ in range(8):
-        proposal = proposer.propose(state)
-        assert proposal is not None
-        verdict, out = strategy._step(state, proposal)
+    for state, proposal, verdict, proposer in speculative_rounds(strategy, prompt_ids(tiny_target, PROMPTS[0]), 8,
+                                                                 GenerationParams(200)):
         rejected += len(verdict.nodes) < len(proposal.tokens)
-        state.ids.extend(verdict.tokens)
-        proposer.commit(state, verdict, out)
         assert_kv_matches_fresh(strategy.engine, state.ids[:-1])
         # the drafter keeps only pairs on real features: one per committed token but the newest
         assert proposer.fed + len(proposer.pending) == len(state.ids) - 1 == strategy.cache.lengths[0] + len(

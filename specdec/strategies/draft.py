@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import time
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -260,6 +261,66 @@ class CostAware(DraftSchedule):
 
 
 @dataclass
+class ChainRound:
+    """One round of chain drafting under a schedule, and what the schedule learns from it.
+
+    Shared by every proposer that drafts a chain from a drafter's logits (a draft model, an EAGLE-style
+    drafter): greedy picks at temperature 0; at temperature > 0 samples from q, the drafter's
+    distribution warped like the target's p, kept for speculative sampling.
+    """
+
+    schedule: DraftSchedule
+    token_ids: Tensor | None  # (K,) target id of each drafter logit row; None = identity
+    target_vocab: int
+    confidences: list[float] = field(default_factory=list)
+    drafted: int = 0
+    draft_s: float = 0.0
+    proposed_at: float = 0.0
+
+    def max_tokens(self, state: DecodeState, room: int) -> int:
+        """How many tokens this round may draft: the schedule's, within the budget and the cache room."""
+        budget = state.params.max_new_tokens - state.output_len - 1  # the target adds one token itself
+        k_max = min(self.schedule.length(), budget, room)
+        if k_max < 1:
+            self.drafted = 0
+        return k_max
+
+    def draft(self, logits: Tensor, step: Callable[[int], Tensor], k_max: int, state: DecodeState,
+              t0: float) -> Proposal:
+        """Draft from `logits` (the drafter's row for the next token); `step(token)` feeds a drafted token
+        and returns the row after it. `t0`: when the round started, for the measured draft cost."""
+        sp = state.params.sampling
+        tokens: list[int] = []
+        probs: list[Tensor] = []
+        self.confidences = []
+        while True:
+            if sp.greedy:
+                tok, conf = pick_greedy(logits, self.token_ids, self.target_vocab)
+            else:
+                q = warp(to_target(logits, self.token_ids, self.target_vocab), sp)  # (V_t,) warped like p
+                tok = sample(q, state.generator)
+                conf = float(q.max())
+                probs.append(q)
+            tokens.append(tok)
+            self.confidences.append(conf)
+            if len(tokens) == k_max or not self.schedule.keep_drafting(len(tokens), conf):
+                break
+            logits = step(tok)
+        self.drafted = len(tokens)
+        self.proposed_at = time.perf_counter()
+        self.draft_s = self.proposed_at - t0
+        return Proposal(tokens=torch.tensor(tokens), parents=list(range(len(tokens))),
+                        probs=torch.stack(probs) if probs else None)
+
+    def learn(self, verdict: Verdict) -> None:
+        """After verification (call first in commit: the time since `draft` is the target's pass)."""
+        if self.drafted:
+            target_s = time.perf_counter() - self.proposed_at
+            self.schedule.update(self.drafted, len(verdict.nodes), self.confidences, self.draft_s, target_s)
+            self.drafted = 0
+
+
+@dataclass
 class DraftProposer:
     """Drafts a chain with the draft's own cache; rolls that cache back to the committed prefix.
 
@@ -269,12 +330,8 @@ class DraftProposer:
     """
 
     drafter: Drafter
-    schedule: DraftSchedule
+    round: ChainRound
     fed: list[int] = field(default_factory=list)
-    _confidences: list[float] = field(default_factory=list)
-    _drafted: int = 0
-    _draft_s: float = 0.0
-    _proposed_at: float = 0.0
 
     def start(self, state: DecodeState, out: ForwardOut) -> None:
         self.fed = list(state.ids[:-1])  # the prompt; the first generated token is fed with the first draft
@@ -283,41 +340,19 @@ class DraftProposer:
     def propose(self, state: DecodeState) -> Proposal | None:
         t0 = time.perf_counter()
         engine = self.drafter.engine
-        pending = state.ids[len(self.fed):]
-        room = engine.max_len - len(state.ids)  # the target pass needs the sequence plus k slots
-        budget = state.params.max_new_tokens - state.output_len - 1  # the target adds one token itself
-        k_max = min(self.schedule.length(), budget, room)
+        k_max = self.round.max_tokens(state, engine.max_len - len(state.ids))  # the target pass needs k slots
         if k_max < 1:
-            self._drafted = 0
             return None
-        sp = state.params.sampling
-        tokens: list[int] = []
-        probs: list[Tensor] = []
-        self._confidences = []
-        feed = pending
-        while True:
-            out = engine.forward(torch.tensor(feed, device=_device(engine)))
-            self.fed += feed
-            if sp.greedy:
-                tok, conf = self.drafter.pick_greedy(out.logits[-1])
-            else:
-                q = warp(self.drafter.to_target(out.logits[-1]), sp)  # (V_t,) warped like the target's p
-                tok = sample(q, state.generator)
-                conf = float(q.max())
-                probs.append(q)
-            tokens.append(tok)
-            self._confidences.append(conf)
-            if len(tokens) == k_max or not self.schedule.keep_drafting(len(tokens), conf):
-                break
-            feed = [tok]
-        self._drafted = len(tokens)
-        self._proposed_at = time.perf_counter()
-        self._draft_s = self._proposed_at - t0
-        return Proposal(tokens=torch.tensor(tokens), parents=list(range(len(tokens))),
-                        probs=torch.stack(probs) if probs else None)
+
+        def feed(tokens: list[int]) -> Tensor:
+            out = engine.forward(torch.tensor(tokens, device=_device(engine)))
+            self.fed += tokens
+            return out.logits[-1]
+
+        return self.round.draft(feed(state.ids[len(self.fed):]), lambda tok: feed([tok]), k_max, state, t0)
 
     def commit(self, state: DecodeState, verdict: Verdict, out: ForwardOut) -> None:
-        target_s = time.perf_counter() - self._proposed_at
+        self.round.learn(verdict)
         keep = 0
         limit = min(len(self.fed), len(state.ids))
         while keep < limit and self.fed[keep] == state.ids[keep]:
@@ -325,9 +360,6 @@ class DraftProposer:
         if keep < len(self.fed):
             self.drafter.engine.rollback(keep)
             del self.fed[keep:]
-        if self._drafted:
-            self.schedule.update(self._drafted, len(verdict.nodes), self._confidences, self._draft_s, target_s)
-            self._drafted = 0
 
 
 def _device(engine: Engine) -> torch.device:
@@ -345,5 +377,6 @@ class DraftStrategy(SpeculativeStrategy):
         self.last_proposer: DraftProposer | None = None
 
     def make_proposer(self) -> Proposer:
-        self.last_proposer = DraftProposer(self.drafter, self.schedule)
+        self.last_proposer = DraftProposer(
+            self.drafter, ChainRound(self.schedule, self.drafter.token_ids, self.drafter.target_vocab))
         return self.last_proposer

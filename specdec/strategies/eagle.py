@@ -14,7 +14,7 @@ target features are kept; those built on guessed features are rolled back after 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
@@ -22,9 +22,8 @@ from torch import Tensor
 
 from specdec.engine.engine import ForwardOut
 from specdec.engine.kv_cache import KVCache
-from specdec.engine.sampling import sample, warp
 from specdec.strategies.base import DecodeState, Proposer, SpeculativeStrategy
-from specdec.strategies.draft import Confidence, DraftSchedule, pick_greedy, to_target
+from specdec.strategies.draft import ChainRound, Confidence, DraftSchedule
 from specdec.verify import Proposal, Verdict
 
 
@@ -51,76 +50,51 @@ class TrainedEagle(Protocol):
 class EagleProposer:
     net: EagleDraftNet
     cache: KVCache
-    schedule: DraftSchedule
-    target_vocab: int
+    round: ChainRound
     fed: int = 0  # pairs in the cache built on the target's real features
     pending: Tensor | None = None  # (n, D) target features of pairs fed.. not yet in the cache
-    _confidences: list[float] = field(default_factory=list)
-    _drafted: int = 0
-    _draft_s: float = 0.0
-    _proposed_at: float = 0.0
 
     def start(self, state: DecodeState, out: ForwardOut) -> None:
         self.cache.rollback(0)
         self.fed = 0
         self.pending = out.hidden  # (P, D): h_0 .. h_{P-1}, the pairs' features up to the first new token
 
-    def _run(self, tokens: list[int], features: Tensor, start: int, last_only: bool) -> tuple[Tensor, Tensor]:
+    def _run(self, tokens: list[int], features: Tensor, start: int) -> tuple[Tensor, Tensor]:
+        """Feed pairs at positions start..; the last one's logits (K,) and guessed next feature (D,)."""
         device = self.net.device
         n = len(tokens)
         pos = torch.arange(start, start + n, device=device)[None]  # (1, n)
-        mask = self.cache.attention_mask(None, n)
         logits, guess = self.net(torch.tensor(tokens, device=device)[None], features.to(device)[None], pos,
-                                 self.cache, mask, logits_from=n - 1 if last_only else 0)
-        return logits[0, -1], guess[0, -1]  # (K,), (D,)
+                                 self.cache, self.cache.attention_mask(None, n), logits_from=n - 1)
+        return logits[0, -1], guess[0, -1]
 
     def propose(self, state: DecodeState) -> Proposal | None:
         t0 = time.perf_counter()
         L = len(state.ids)
-        room = self.cache.max_len - L
-        budget = state.params.max_new_tokens - state.output_len - 1  # the target adds one token itself
-        k_max = min(self.schedule.length(), budget, room)
+        k_max = self.round.max_tokens(state, self.cache.max_len - L)
         assert self.pending is not None and len(self.pending) == L - 1 - self.fed, "drafter out of step"
         if k_max < 1:
-            self._drafted = 0
             return None
-        sp = state.params.sampling
         # catch up: pairs fed .. L-2 carry real features; the last one's guess drafts token L
-        logits, guess = self._run(state.ids[self.fed + 1:L], self.pending, self.fed, last_only=True)
+        logits, guess = self._run(state.ids[self.fed + 1:L], self.pending, self.fed)
         self.fed, self.pending = L - 1, self.pending[:0]
-        tokens: list[int] = []
-        probs: list[Tensor] = []
-        self._confidences = []
-        while True:
-            if sp.greedy:
-                tok, conf = pick_greedy(logits, self.net.token_ids, self.target_vocab)
-            else:
-                q = warp(to_target(logits, self.net.token_ids, self.target_vocab), sp)  # (V_t,) as the target's p
-                tok = sample(q, state.generator)
-                conf = float(q.max())
-                probs.append(q)
-            tokens.append(tok)
-            self._confidences.append(conf)
-            if len(tokens) == k_max or not self.schedule.keep_drafting(len(tokens), conf):
-                break
-            # the pair (guessed h_{L-2+i}, drafted token) at position L-2+i
-            logits, guess = self._run([tok], guess[None], L - 2 + len(tokens), last_only=True)
-        self._drafted = len(tokens)
-        self._proposed_at = time.perf_counter()
-        self._draft_s = self._proposed_at - t0
-        return Proposal(tokens=torch.tensor(tokens), parents=list(range(len(tokens))),
-                        probs=torch.stack(probs) if probs else None)
+        at = L - 1  # the next pair, (guessed h_at, drafted token), sits at position at
+
+        def step(tok: int) -> Tensor:
+            nonlocal guess, at
+            logits, guess = self._run([tok], guess[None], at)
+            at += 1
+            return logits
+
+        return self.round.draft(logits, step, k_max, state, t0)
 
     def commit(self, state: DecodeState, verdict: Verdict, out: ForwardOut) -> None:
-        target_s = time.perf_counter() - self._proposed_at
+        self.round.learn(verdict)
         self.cache.rollback(self.fed)  # forget pairs built on guessed features
         # the pass fed [root, drafts]; the root and the accepted drafts now have real features
+        assert self.pending is not None
         known = out.hidden[[0, *verdict.nodes]]  # (1 + accepted, D)
-        self.pending = torch.cat([self.pending, known])[:len(state.ids) - 1 - self.fed] \
-            if self.pending is not None else known
-        if self._drafted:
-            self.schedule.update(self._drafted, len(verdict.nodes), self._confidences, self._draft_s, target_s)
-            self._drafted = 0
+        self.pending = torch.cat([self.pending, known])[:len(state.ids) - 1 - self.fed]
 
 
 class EagleStrategy(SpeculativeStrategy):
@@ -136,5 +110,6 @@ class EagleStrategy(SpeculativeStrategy):
         self.last_proposer: EagleProposer | None = None
 
     def make_proposer(self) -> Proposer:
-        self.last_proposer = EagleProposer(self.net, self.cache, self.schedule, self.target.vocab_size)
+        self.last_proposer = EagleProposer(
+            self.net, self.cache, ChainRound(self.schedule, self.net.token_ids, self.target.vocab_size))
         return self.last_proposer
