@@ -40,6 +40,8 @@ class PromptLookupProposer:
         self._tried = {n: [0] * size for n in range(ngram_min, ngram_max + 1)}
         self._hit = {n: [0] * size for n in range(ngram_min, ngram_max + 1)}
         self._n = 0
+        # the rate (tokens per unit) not drafting achieves: 1, or what another drafter behind it reaches
+        self.floor = 1.0
 
     def best_length(self, n: int, cap: int) -> int:
         """Draft length in 0..cap maximising (1 + E[accepted]) / cost(pass); 0 means do not draft.
@@ -50,7 +52,7 @@ class PromptLookupProposer:
         """
         if self.costs is None:
             return cap
-        best, best_value = 0, 1.0
+        best, best_value = 0, self.floor
         survive, expected = 1.0, 0.0
         for k in range(1, cap + 1):
             survive *= (self._hit[n][k] + 2) / (self._tried[n][k] + 3)

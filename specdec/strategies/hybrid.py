@@ -1,0 +1,121 @@
+"""Copy when the text repeats, draft with a model otherwise: prompt lookup in front of any drafter.
+
+Prompt lookup drafts for free but only where the text repeats itself; a trained drafter costs a
+fraction of a target step per token but drafts everywhere. `LookupFirst` asks the lookup first and
+lets it draft only when its expected rate (tokens per unit of target-step time, from this turn's
+acceptance per match length and the measured pass costs) beats the rate the model drafter has been
+achieving; otherwise the model drafts. Both verifications are exact (a copied chain is deterministic,
+a model chain carries its q), so the strategy is as lossless as its drafter.
+
+The model drafter need not see the rounds it sat out: the draft and EAGLE proposers both catch up on
+committed tokens at their next proposal, and their commit only rolls back what was never committed.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from specdec.engine.engine import ForwardOut, pass_cost_curve
+from specdec.errors import SpecdecError
+from specdec.models.loader import LoadedModel
+from specdec.strategies.base import DecodeState, Proposer, SpeculativeStrategy
+from specdec.strategies.prompt_lookup import PromptLookupProposer
+from specdec.verify import Proposal, Verdict
+
+
+@dataclass
+class RateMeter:
+    """Running tokens per unit of cost (one unit: a one-token target pass) of the model drafter's rounds.
+
+    Kept by the strategy, so it carries over between turns like the draft-length schedules do.
+    """
+
+    rate: float = 1.0
+    momentum: float = 0.05
+
+    def update(self, produced: int, draft_s: float, target_s: float, pass_cost: float) -> None:
+        if target_s <= 0:
+            return
+        one_step = target_s / pass_cost  # the seconds of a one-token pass, from this pass's time
+        units = (draft_s + target_s) / one_step
+        self.rate = (1 - self.momentum) * self.rate + self.momentum * produced / units
+
+
+@dataclass
+class LookupFirst:
+    """A proposer: the lookup's chain when it expects to beat the model drafter's rate, else the model's."""
+
+    lookup: PromptLookupProposer
+    model: Proposer
+    meter: RateMeter
+    costs: dict[int, float]  # pass over n tokens / pass over one
+    source: str = ""  # who proposed this round: "lookup", "model" or ""
+    _t0: float = 0.0
+    _proposed_at: float = 0.0
+    _drafted: int = 0
+    rounds: dict[str, int] = field(default_factory=lambda: {"lookup": 0, "model": 0, "none": 0})
+
+    def start(self, state: DecodeState, out: ForwardOut) -> None:
+        self.lookup.start(state, out)
+        self.model.start(state, out)
+
+    def propose(self, state: DecodeState) -> Proposal | None:
+        self._t0 = time.perf_counter()
+        self.lookup.floor = self.meter.rate
+        proposal = self.lookup.propose(state)
+        self.source = "lookup"
+        if proposal is None:
+            proposal = self.model.propose(state)
+            self.source = "model" if proposal is not None else ""
+        self._proposed_at = time.perf_counter()
+        self._drafted = len(proposal.tokens) if proposal is not None else 0
+        self.rounds[self.source or "none"] += 1
+        return proposal
+
+    def commit(self, state: DecodeState, verdict: Verdict, out: ForwardOut) -> None:
+        if self.source == "model" and self._drafted:
+            cost = self.costs[min(1 + self._drafted, max(self.costs))]
+            self.meter.update(len(verdict.tokens), self._proposed_at - self._t0,
+                              time.perf_counter() - self._proposed_at, cost)
+        # both always commit: the lookup indexes the new tokens, the model rolls its cache back to them
+        self.lookup.commit(state, verdict, out)
+        self.model.commit(state, verdict, out)
+
+
+class LookupHybrid(SpeculativeStrategy):
+    """`strategy=draft_lookup` / `eagle_lookup`: prompt lookup in front of a model drafter's strategy.
+
+    `inner` builds the drafter's strategy (e.g. DraftStrategy); the hybrid uses its engine and its
+    proposer, so the target's cache and the drafter exist once.
+    """
+
+    def __init__(self, target: LoadedModel, name: str, inner: Callable[..., SpeculativeStrategy],
+                 max_len: int = 2048, prefill_chunk: int = 512, ngram_max: int = 3, ngram_min: int = 1,
+                 num_draft_tokens: int = 7, prior_rate: float = 1.0) -> None:
+        if not 1 <= ngram_min <= ngram_max or num_draft_tokens < 1:
+            raise SpecdecError(f"{name} needs 1 <= ngram_min <= ngram_max and num_draft_tokens >= 1, got "
+                               f"{ngram_min}, {ngram_max}, {num_draft_tokens}; e.g. strategy.ngram_max=3")
+        self.inner = inner(target=target, max_len=max_len, prefill_chunk=prefill_chunk)
+        if not isinstance(self.inner, SpeculativeStrategy):
+            raise SpecdecError(f"strategy.inner builds a {type(self.inner).__name__}; it must be a speculative "
+                               "strategy with a proposer, such as specdec.strategies.draft.DraftStrategy")
+        self.name, self.target, self.engine = name, target, self.inner.engine
+        self.ngram_min, self.ngram_max, self.num_draft_tokens = ngram_min, ngram_max, num_draft_tokens
+        # pass costs up to the longer of the two drafts, measured once on this hardware
+        self.costs = {1: 1.0, **pass_cost_curve(self.engine, list(range(2, num_draft_tokens + 2)))}
+        self.meter = RateMeter(prior_rate)
+        self.last_proposer: LookupFirst | None = None
+
+    def make_proposer(self) -> Proposer:
+        model = self.inner.make_proposer()
+        if model is None:
+            raise SpecdecError(f"strategy.inner ({self.inner.name}) drafts nothing; give it a drafter")
+        lookup = PromptLookupProposer(self.ngram_min, self.ngram_max, self.num_draft_tokens, 1, 1, False,
+                                      self.engine.max_len, self.costs)
+        self.last_proposer = LookupFirst(lookup, model, self.meter, self.costs)
+        return self.last_proposer
+
+    def accept(self, proposal: Proposal, logits: object, state: DecodeState) -> Verdict:
+        return self.inner.accept(proposal, logits, state)  # type: ignore[arg-type]
