@@ -14,6 +14,7 @@ from test_draft import tiny
 from test_eagle import untrained  # noqa: F401  (a fixture: a random EAGLE drafter saved like a trained one)
 
 from heads.eagle import load_eagle
+from heads.medusa import medusa_heads
 from specdec.cli_checks import CONFIG_DIR
 from specdec.engine.sampling import SamplingParams, warp
 from specdec.errors import SpecdecError
@@ -24,6 +25,7 @@ from specdec.strategies.draft import DraftStrategy, FixedLength
 from specdec.strategies.eagle import EagleStrategy
 from specdec.strategies.greedy import Greedy
 from specdec.strategies.hybrid import LookupFirst, LookupHybrid, RateMeter
+from specdec.strategies.medusa import Medusa
 
 PATTERN = [17, 40, 99, 23] * 6  # copying from it pays; a random model's own tokens rarely repeat it
 
@@ -33,9 +35,10 @@ def target() -> LoadedModel:
     return tiny(0)
 
 
-def draft_hybrid(target: LoadedModel, draft: LoadedModel, prior_rate: float = 1.0) -> LookupHybrid:
+def draft_hybrid(target: LoadedModel, draft: LoadedModel, prior_rate: float = 1.0,
+                 probe_every: int = 8) -> LookupHybrid:
     inner = partial(DraftStrategy, name="draft", draft=draft, schedule=FixedLength(3))  # as Hydra builds it
-    return LookupHybrid(target, "draft_lookup", inner, 512, 64, prior_rate=prior_rate)
+    return LookupHybrid(target, "draft_lookup", inner, 512, 64, prior_rate=prior_rate, probe_every=probe_every)
 
 
 def texts(target: LoadedModel) -> list[list[int]]:
@@ -70,9 +73,21 @@ def test_eagle_lookup_reproduces_greedy(tiny_target: LoadedModel, untrained: Pat
     assert strategy.last_proposer is not None and strategy.last_proposer.rounds["lookup"] > 0
 
 
+def test_medusa_lookup_reproduces_greedy(tiny_target: LoadedModel) -> None:
+    heads = medusa_heads(tiny_target, num_heads=4, seed=5)  # random blocks: wrong guesses on purpose
+    inner = partial(Medusa, name="medusa", heads=heads, tree="default")
+    strategy = LookupHybrid(tiny_target, "medusa_lookup", inner, 512, 64)
+    greedy = Greedy(tiny_target, "greedy", 512, 64)
+    for prompt in texts(tiny_target):
+        res = strategy.generate(prompt, GenerationParams(40), 0)
+        assert res.output_ids == greedy.generate(prompt, GenerationParams(40), 0).output_ids
+        check_counters(res, 40)
+    assert strategy.last_proposer is not None and strategy.last_proposer.rounds["lookup"] > 0
+
+
 def test_caches_stay_exact_across_both_sources(target: LoadedModel) -> None:
     """After rounds drafted by either, the target's cache and the draft's hold exactly the committed prefix."""
-    strategy = draft_hybrid(target, tiny(1))
+    strategy = draft_hybrid(target, tiny(1), probe_every=0)  # the model drafts whenever the lookup does not
     sources = set()
     for state, _, _, proposer in speculative_rounds(strategy, PATTERN, 30, GenerationParams(200)):
         sources.add(proposer.source)
@@ -84,22 +99,33 @@ def test_caches_stay_exact_across_both_sources(target: LoadedModel) -> None:
 
 
 def test_the_lookup_drafts_only_when_it_beats_the_model_rate(target: LoadedModel) -> None:
-    """A model drafter believed far better than copying is always asked; one believed useless is asked
-    only when there is nothing to copy."""
+    """A model drafter believed far better than copying is always asked; one at break-even only when
+    there is nothing to copy."""
     strategy = draft_hybrid(target, tiny(1), prior_rate=1e9)
     strategy.meter.momentum = 0.0  # hold the belief fixed for the test
     strategy.generate(PATTERN, GenerationParams(30), 0)
     assert strategy.last_proposer is not None and strategy.last_proposer.rounds["lookup"] == 0
-    strategy = draft_hybrid(target, tiny(1), prior_rate=0.0)
+    strategy = draft_hybrid(target, tiny(1), prior_rate=1.0)
     strategy.meter.momentum = 0.0
     seen = {"lookup": 0, "model": 0}
     copyable = None  # whether the round about to run finds a copy (the first one is not checked)
     for state, _, _, proposer in speculative_rounds(strategy, PATTERN, 30, GenerationParams(200)):
-        assert copyable is None or proposer.source == ("lookup" if copyable else "model")
+        assert copyable is None or copyable or proposer.source == "model"
         seen[proposer.source] += 1
         proposer.lookup.index.extend(state.ids)
         copyable = match_length(state.ids, proposer.lookup.index) > 0  # what the next round finds
     assert seen["lookup"] > 0 and seen["model"] > 0, seen
+
+
+def test_a_drafter_below_break_even_sits_out_but_is_probed(target: LoadedModel) -> None:
+    strategy = draft_hybrid(target, tiny(1), prior_rate=0.5, probe_every=3)
+    strategy.meter.momentum = 0.0  # a drafter measured at half a plain step's rate
+    strategy.generate(list(range(3, 40)), GenerationParams(60), 0)  # nothing in the prompt to copy
+    rounds = strategy.last_proposer.rounds  # type: ignore[union-attr]
+    # of every 4 rounds without a copy, 3 are plain steps and the 4th a probe by the model (the last
+    # rounds, with no budget left to draft, are plain steps too)
+    assert rounds["model"] > 0
+    assert 3 * rounds["model"] <= rounds["none"] <= 3 * rounds["model"] + 6, rounds
 
 
 def test_rate_meter_counts_a_round_in_one_token_passes() -> None:
@@ -155,7 +181,8 @@ def test_sampling_preserves_the_target_distribution(target: LoadedModel, route: 
 
 
 def test_configs_build_the_hybrids(target: LoadedModel) -> None:
-    for name, inner in (("draft_lookup", "DraftStrategy"), ("eagle_lookup", "EagleStrategy")):
+    for name, inner in (("draft_lookup", "DraftStrategy"), ("eagle_lookup", "EagleStrategy"),
+                        ("medusa_lookup", "Medusa")):
         cfg = OmegaConf.load(CONFIG_DIR / "strategy" / f"{name}.yaml")
         assert cfg.name == name and cfg.inner._target_.endswith(inner)
     cfg = OmegaConf.load(CONFIG_DIR / "strategy" / "draft_lookup.yaml")

@@ -5,10 +5,13 @@ fraction of a target step per token but drafts everywhere. `LookupFirst` asks th
 lets it draft only when its expected rate (tokens per unit of target-step time, from this turn's
 acceptance per match length and the measured pass costs) beats the rate the model drafter has been
 achieving; otherwise the model drafts. Both verifications are exact (a copied chain is deterministic,
-a model chain carries its q), so the strategy is as lossless as its drafter.
+a model chain carries its q), so the strategy is as lossless as its drafter. Neither part drafts when
+it expects fewer tokens per unit of time than a plain one-token step; a model drafter whose measured
+rate fell below that sits out, except for a probe round now and then.
 
-The model drafter need not see the rounds it sat out: the draft and EAGLE proposers both catch up on
-committed tokens at their next proposal, and their commit only rolls back what was never committed.
+The model drafter need not propose in every round, but it commits in every one: the draft and EAGLE
+proposers catch up on the committed tokens at their next proposal (EAGLE keeps the pass's hidden states
+of them), Medusa's keeps the hidden state of the newest token, and none rolls back what was committed.
 """
 
 from __future__ import annotations
@@ -51,7 +54,9 @@ class LookupFirst:
     model: Proposer
     meter: RateMeter
     costs: dict[int, float]  # pass over n tokens / pass over one
+    probe_every: int = 8
     source: str = ""  # who proposed this round: "lookup", "model" or ""
+    _idle: int = 0  # rounds the model drafter sat out since it last drafted
     _t0: float = 0.0
     _proposed_at: float = 0.0
     _drafted: int = 0
@@ -63,12 +68,20 @@ class LookupFirst:
 
     def propose(self, state: DecodeState) -> Proposal | None:
         self._t0 = time.perf_counter()
-        self.lookup.floor = self.meter.rate
+        # a plain one-token step yields 1 token per unit: neither drafter may do worse than that
+        self.lookup.floor = max(1.0, self.meter.rate)
         proposal = self.lookup.propose(state)
         self.source = "lookup"
         if proposal is None:
-            proposal = self.model.propose(state)
-            self.source = "model" if proposal is not None else ""
+            self.source = ""
+            # a model drafter that has been losing time sits out, but is tried every `probe_every`
+            # rounds so that the meter notices when the text turns its way again
+            if self.meter.rate >= 1.0 or self._idle >= self.probe_every:
+                self._idle = 0
+                proposal = self.model.propose(state)
+                self.source = "model" if proposal is not None else ""
+            else:
+                self._idle += 1
         self._proposed_at = time.perf_counter()
         self._drafted = len(proposal.tokens) if proposal is not None else 0
         self.rounds[self.source or "none"] += 1
@@ -85,18 +98,19 @@ class LookupFirst:
 
 
 class LookupHybrid(SpeculativeStrategy):
-    """`strategy=draft_lookup` / `eagle_lookup`: prompt lookup in front of a model drafter's strategy.
+    """`strategy=draft_lookup` / `eagle_lookup` / `medusa_lookup`: prompt lookup in front of a drafter's strategy.
 
-    `inner` builds the drafter's strategy (e.g. DraftStrategy); the hybrid uses its engine and its
-    proposer, so the target's cache and the drafter exist once.
+    `inner` builds the drafter's strategy (e.g. DraftStrategy); the hybrid uses its engine, its proposer
+    and its acceptance rule, so the target's cache and the drafter exist once.
     """
 
     def __init__(self, target: LoadedModel, name: str, inner: Callable[..., SpeculativeStrategy],
                  max_len: int = 2048, prefill_chunk: int = 512, ngram_max: int = 3, ngram_min: int = 1,
-                 num_draft_tokens: int = 7, prior_rate: float = 1.0) -> None:
-        if not 1 <= ngram_min <= ngram_max or num_draft_tokens < 1:
-            raise SpecdecError(f"{name} needs 1 <= ngram_min <= ngram_max and num_draft_tokens >= 1, got "
-                               f"{ngram_min}, {ngram_max}, {num_draft_tokens}; e.g. strategy.ngram_max=3")
+                 num_draft_tokens: int = 7, prior_rate: float = 1.0, probe_every: int = 8) -> None:
+        if not 1 <= ngram_min <= ngram_max or num_draft_tokens < 1 or probe_every < 0:
+            raise SpecdecError(f"{name} needs 1 <= ngram_min <= ngram_max, num_draft_tokens >= 1 and probe_every "
+                               f">= 0, got {ngram_min}, {ngram_max}, {num_draft_tokens}, {probe_every}; "
+                               "e.g. strategy.ngram_max=3 strategy.probe_every=8")
         self.inner = inner(target=target, max_len=max_len, prefill_chunk=prefill_chunk)
         if not isinstance(self.inner, SpeculativeStrategy):
             raise SpecdecError(f"strategy.inner builds a {type(self.inner).__name__}; it must be a speculative "
@@ -106,6 +120,7 @@ class LookupHybrid(SpeculativeStrategy):
         # pass costs up to the longer of the two drafts, measured once on this hardware
         self.costs = {1: 1.0, **pass_cost_curve(self.engine, list(range(2, num_draft_tokens + 2)))}
         self.meter = RateMeter(prior_rate)
+        self.probe_every = probe_every
         self.last_proposer: LookupFirst | None = None
 
     def make_proposer(self) -> Proposer:
@@ -114,7 +129,7 @@ class LookupHybrid(SpeculativeStrategy):
             raise SpecdecError(f"strategy.inner ({self.inner.name}) drafts nothing; give it a drafter")
         lookup = PromptLookupProposer(self.ngram_min, self.ngram_max, self.num_draft_tokens, 1, 1, False,
                                       self.engine.max_len, self.costs)
-        self.last_proposer = LookupFirst(lookup, model, self.meter, self.costs)
+        self.last_proposer = LookupFirst(lookup, model, self.meter, self.costs, self.probe_every)
         return self.last_proposer
 
     def accept(self, proposal: Proposal, logits: object, state: DecodeState) -> Verdict:
