@@ -20,6 +20,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from torch import Tensor
+
 from specdec.engine.engine import ForwardOut, pass_cost_curve
 from specdec.errors import SpecdecError
 from specdec.models.loader import LoadedModel
@@ -115,6 +117,7 @@ class LookupHybrid(SpeculativeStrategy):
         if not isinstance(self.inner, SpeculativeStrategy):
             raise SpecdecError(f"strategy.inner builds a {type(self.inner).__name__}; it must be a speculative "
                                "strategy with a proposer, such as specdec.strategies.draft.DraftStrategy")
+        # not SpeculativeStrategy.__init__: that would build a second target engine and cache
         self.name, self.target, self.engine = name, target, self.inner.engine
         self.ngram_min, self.ngram_max, self.num_draft_tokens = ngram_min, ngram_max, num_draft_tokens
         # pass costs up to the longer of the two drafts, measured once on this hardware
@@ -132,5 +135,5 @@ class LookupHybrid(SpeculativeStrategy):
         self.last_proposer = LookupFirst(lookup, model, self.meter, self.costs, self.probe_every)
         return self.last_proposer
 
-    def accept(self, proposal: Proposal, logits: object, state: DecodeState) -> Verdict:
-        return self.inner.accept(proposal, logits, state)  # type: ignore[arg-type]
+    def accept(self, proposal: Proposal, logits: Tensor, state: DecodeState) -> Verdict:
+        return self.inner.accept(proposal, logits, state)  # Medusa's typical acceptance stays Medusa's
