@@ -19,6 +19,7 @@ import json
 import statistics
 import sys
 import time
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -59,6 +60,7 @@ def correctness(device: str, new_tokens: int = 32) -> dict[str, Any]:
     from specdec.strategies.draft import DraftStrategy, FixedLength
     from specdec.strategies.eagle import EagleStrategy
     from specdec.strategies.greedy import Greedy
+    from specdec.strategies.hybrid import LookupHybrid
     from specdec.strategies.medusa import Medusa
     from specdec.strategies.prompt_lookup import PromptLookup
 
@@ -77,6 +79,9 @@ def correctness(device: str, new_tokens: int = 32) -> dict[str, Any]:
         # an untrained EAGLE-style drafter on the GPU target's own hidden states: the pair bookkeeping on CUDA
         "eagle_random": EagleStrategy(gpu, "eagle", EagleTrainable(kept_vocab=0).build(gpu, None).net.eval(),
                                       FixedLength(3), 512),
+        # prompt lookup in front of the random draft: both sources, and the draft catching up, on CUDA
+        "draft_lookup_random": LookupHybrid(gpu, "draft_lookup", partial(DraftStrategy, name="draft", draft=draft,
+                                                                          schedule=FixedLength(4)), 512),
     }
     out: dict[str, Any] = {"greedy_gpu_vs_cpu": _agreement(ref_gpu, ref_cpu)}
     for name, s in strategies.items():

@@ -15,6 +15,7 @@ def test_gpu_check_on_cpu_tiny_shape(tmp_path: Path) -> None:
     assert rc == 0 and r["correctness"]["passed"]
     c = r["correctness"]
     assert c["greedy_gpu_vs_cpu"] == c["draft_random"] == c["medusa_tree"] == c["eagle_random"] == 1.0
+    assert c["draft_lookup_random"] == 1.0
     assert c["tree_logits_max_abs_diff"] < 1e-4
     s = r["speed"]
     assert set(s["greedy_vs_hf"]) == {"greedy", "hf_generate"} and s["weight_bytes"] > 0
