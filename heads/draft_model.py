@@ -180,6 +180,24 @@ class SavedDrafter:
     def build(self, target: LoadedModel) -> Any:
         raise NotImplementedError
 
+    def saved_tensors(self, target: LoadedModel, weights: str) -> tuple[Tensor, dict[str, Tensor]]:
+        """The kept rows' target ids (K,) and the other saved tensors, on the target's device and dtype."""
+        from safetensors.torch import load_file
+
+        tensors = load_file(str(self.folder / weights))
+        kept_ids = tensors.pop("kept_ids").long().to(target.device)
+        return kept_ids, {k: v.to(device=target.device, dtype=target.dtype) for k, v in tensors.items()}
+
+    @staticmethod
+    def ready(net: nn.Module, kept_ids: Tensor, target: LoadedModel) -> None:
+        """Frozen, its rows mapped to target ids, and running its matmuls the way the target does."""
+        net.eval().requires_grad_(False)
+        net.token_ids = kept_ids
+        if target.matmul != "torch":
+            from specdec.models.cpu_linear import use_matmul
+
+            use_matmul(net, target.matmul)  # the same CPU kernels as the target (see cpu_linear.py)
+
     @classmethod
     def load(cls, path: str | Path, config: str, weights: str, fmt: str, alternative: str = "") -> Any:
         """The drafter saved in `path` (relative: the working directory, then the repository)."""
@@ -202,13 +220,7 @@ class DraftCheckpoint(SavedDrafter):
     WHAT = "draft"
 
     def build(self, target: LoadedModel) -> DraftModel:
-        from safetensors.torch import load_file
-
-        from specdec.models.cpu_linear import use_matmul
-
-        tensors = load_file(str(self.folder / WEIGHTS))
-        kept_ids = tensors.pop("kept_ids").long().to(target.device)
-        layers = {k: v.to(device=target.device, dtype=target.dtype) for k, v in tensors.items()}
+        kept_ids, layers = self.saved_tensors(target, WEIGHTS)
         hf_config = _config_from_dict(self.meta["hf_config"])
         embed, head = target_embedding(target), target_head(target)
         small_head = head.detach()[kept_ids].to(target.dtype).contiguous()  # (K, D)
@@ -216,10 +228,7 @@ class DraftCheckpoint(SavedDrafter):
         with torch.device("meta"):
             net = DraftModel(args, len(kept_ids))
         net.load_hf_state_dict(layers | {"model.embed_tokens.weight": embed.detach(), "lm_head.weight": small_head})
-        net.eval().requires_grad_(False)
-        net.token_ids = kept_ids
-        if target.matmul != "torch":
-            use_matmul(net, target.matmul)  # the draft runs its matmuls the way the target does (see cpu_linear.py)
+        self.ready(net, kept_ids, target)
         net._hf_factory = lambda: _hf_draft(hf_config, layers, embed.detach(), small_head, kept_ids,
                                             target.dtype, target.device)
         return net

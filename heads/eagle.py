@@ -90,24 +90,15 @@ class EagleCheckpoint(SavedDrafter):
     WHAT = "EAGLE drafter"
 
     def build(self, target: LoadedModel) -> EagleNet:
-        from safetensors.torch import load_file
-
-        tensors = load_file(str(self.folder / WEIGHTS))
-        kept_ids = tensors.pop("kept_ids").long().to(target.device)
+        kept_ids, own = self.saved_tensors(target, WEIGHTS)
         args = LlamaArgs(**self.meta["args"])
         with torch.device("meta"):
             net = EagleNet(args, len(kept_ids))
-        own = {k: v.to(device=target.device, dtype=target.dtype) for k, v in tensors.items()}
         own["embed.weight"] = target_embedding(target).detach()
         own["lm_head.weight"] = target_head(target).detach()[kept_ids].to(target.dtype).contiguous()
         net.load_state_dict(own, strict=True, assign=True)
         net.inv_freq = rope_inv_freq(args).to(target.device)  # the meta-device buffer holds no values
-        net.eval().requires_grad_(False)
-        net.token_ids = kept_ids
-        if target.matmul != "torch":
-            from specdec.models.cpu_linear import use_matmul
-
-            use_matmul(net, target.matmul)  # the same CPU kernels as the target (see cpu_linear.py)
+        self.ready(net, kept_ids, target)
         return net
 
 

@@ -108,3 +108,26 @@ def speculative_rounds(strategy: SpeculativeStrategy, prompt: list[int], rounds:
         state.ids.extend(verdict.tokens)
         proposer.commit(state, verdict, out)
         yield state, proposal, verdict, proposer
+
+
+def assert_draws_follow(counts: Tensor, p: Tensor, min_bins: int = 4) -> None:
+    """`counts` (V,) of n seeded draws fit the distribution `p` (V,): nothing outside its support, and a
+    chi-square test over the tokens expected at least 5 times (the rest lumped into one bin)."""
+    from scipy.stats import chisquare
+
+    n = float(counts.sum())
+    assert counts[p == 0].sum() == 0  # nothing outside the target's nucleus
+    big = p * n >= 5
+    observed = torch.cat([counts[big], counts[~big].sum()[None]])
+    expected = torch.cat([p[big], p[~big].sum()[None]]) * n
+    keep = expected > 0
+    assert big.sum() >= min_bins  # enough distinct outcomes for the test to mean something
+    assert chisquare(observed[keep].numpy(), expected[keep].numpy()).pvalue > 1e-3
+
+
+def tiny_train_overrides(head: str, out: Any, data_dir: Any, max_new_tokens: int = 16) -> list[str]:
+    """`python -m heads.train` overrides for a seconds-long run on tiny-llama (callers add steps, lr, head)."""
+    return ["model=tiny-llama", f"head={head}", f"output_dir={out}", f"data.cache_dir={data_dir}",
+            "data.per_category=1", "data.seeds=[1]", f"data.max_new_tokens={max_new_tokens}", "data.batch_size=4",
+            "train.batch_size=2", "train.seq_len=96", "train.torch_threads=1", "train.log_every=100",
+            "train.val_fraction=0"]

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import assert_cache_matches_fresh, chain_forward, random_ids
+from helpers import assert_cache_matches_fresh, chain_forward, random_ids, tiny_train_overrides
 from omegaconf import OmegaConf
 
 from heads.medusa import CONFIG_FILE, MedusaHeads, load_heads, medusa_heads, output_weight
@@ -416,12 +416,9 @@ def test_heads_train_entry_trains_and_ships_medusa_heads(tmp_path: Path, tiny_ta
 
     out = tmp_path / "medusa"
     with initialize_config_dir(str(CONFIG_DIR), version_base=None):
-        cfg = compose("train", overrides=[
-            "model=tiny-llama", "head=medusa", f"output_dir={out}", f"data.cache_dir={tmp_path / 'data'}",
-            "data.per_category=1", "data.seeds=[1]", "data.max_new_tokens=24", "data.batch_size=4",
-            "train.batch_size=2", "train.seq_len=96", "train.torch_threads=1", "train.log_every=100",
-            "train.val_fraction=0", "train.max_steps=40", "train.lr=1e-2", "train.warmup_steps=0",
-            "head.num_heads=3", "head.head_vocab=128"])
+        cfg = compose("train", overrides=[*tiny_train_overrides("medusa", out, tmp_path / "data", 24),
+                                          "train.max_steps=40", "train.lr=1e-2", "train.warmup_steps=0",
+                                          "head.num_heads=3", "head.head_vocab=128"])
     meta = train(cfg)
     assert meta["steps"] == 40 and meta["last_loss"] < 0.7 * meta["first_loss"]
     heads = load_heads(tiny_target, out)

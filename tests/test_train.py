@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import tiny_train_overrides
 from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig
 
@@ -31,13 +32,8 @@ def data_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def config(out: Path, data_dir: Path, *overrides: str) -> DictConfig:
     with initialize_config_dir(str(CONFIG_DIR), version_base=None):
         return compose("train", overrides=[
-            "model=tiny-llama", "head=draft", f"output_dir={out}", f"data.cache_dir={data_dir}",
-            "data.per_category=1", "data.seeds=[1]", "data.instructions=0", "data.max_new_tokens=16",
-            "data.batch_size=4",
-            "train.batch_size=2", "train.seq_len=96", "train.torch_threads=1", "train.log_every=100",
-            "train.val_fraction=0", "head.layers=1", "head.init_layers=[0]", "head.kept_vocab=128",
-            "head.kl_weight=0",
-            *overrides])
+            *tiny_train_overrides("draft", out, data_dir), "data.instructions=0",
+            "head.layers=1", "head.init_layers=[0]", "head.kept_vocab=128", "head.kl_weight=0", *overrides])
 
 
 def test_distill_prompts_never_contain_benchmark_questions() -> None:
