@@ -16,7 +16,7 @@ from specdec.errors import SpecdecError
 from specdec.metrics import strategy_metrics
 from specdec.models.loader import LoadedModel, load_model
 from specdec.strategies.base import DecodeState, GenerationParams
-from specdec.strategies.draft import Confidence, CostAware, DraftSchedule, DraftStrategy, FixedLength, Heuristic
+from specdec.strategies.draft import Confidence, CostAware, DraftSchedule, DraftStrategy, FixedLength, Heuristic, SitOut
 from specdec.strategies.greedy import Greedy
 from specdec.strategies.hf import HFAssisted
 
@@ -138,7 +138,7 @@ def test_cost_aware_measures_verification_cost() -> None:
     assert sched.cost == pytest.approx(0.0024 / 0.024, rel=0.05)
 
 
-@pytest.mark.parametrize("schedule", ["draft_heuristic", "draft_confidence", "draft_cost_aware"])
+@pytest.mark.parametrize("schedule", ["draft_heuristic", "draft_confidence", "draft_cost_aware", "draft_sitout"])
 def test_adaptive_schedules_stay_lossless(target: LoadedModel, wrong_draft: LoadedModel, schedule: str) -> None:
     cfg = OmegaConf.load(CONFIG_DIR / "strategy" / f"{schedule}.yaml")
     sched = instantiate(cfg.schedule)
@@ -146,6 +146,51 @@ def test_adaptive_schedules_stay_lossless(target: LoadedModel, wrong_draft: Load
     for draft in (target, wrong_draft):
         res = DraftStrategy(target, schedule, draft, sched, 512, 64).generate(prompt, GenerationParams(25), 0)
         assert res.output_ids == greedy_ids(target, prompt, 25)
+
+
+def sit_out_rounds(strategy: DraftStrategy, prompt: list[int], n: int) -> tuple[list[int], int, int]:
+    """The greedy loop for n tokens, checking both caches after every round; (output, drafting rounds, rounds)."""
+    out = strategy.engine.prefill(prompt)
+    state = DecodeState(list(prompt), len(prompt), GenerationParams(n + 8), None)
+    state.ids.append(int(out.logits[-1].argmax()))
+    proposer = strategy.make_proposer()
+    proposer.start(state, out)
+    drafted = rounds = 0
+    while len(state.ids) - len(prompt) < n:
+        rounds += 1
+        proposal = proposer.propose(state)
+        drafted += proposal is not None
+        verdict, out = strategy._step(state, proposal)
+        state.ids.extend(verdict.tokens)
+        proposer.commit(state, verdict, out)
+        assert_kv_matches_fresh(strategy.engine, state.ids[:-1])
+        # a draft that sat out lags behind; what it holds is still a prefix of the sequence, exactly
+        assert proposer.fed == state.ids[:len(proposer.fed)]
+        assert_kv_matches_fresh(strategy.drafter.engine, proposer.fed)
+    return state.ids[len(prompt):len(prompt) + n], drafted, rounds
+
+
+def test_sit_out_skips_a_losing_draft_but_probes_it(target: LoadedModel, wrong_draft: LoadedModel) -> None:
+    schedule = SitOut(FixedLength(3), probe_every=3, prior_rate=0.5, momentum=0.01)
+    strategy = DraftStrategy(target, "draft_sitout", wrong_draft, schedule, 512, 64)
+    assert set(schedule.costs) == {1, 2, 3, 4}  # measured at start-up on this engine
+    prompt = prompt_ids(target, PROMPTS[0])
+    output, drafted, rounds = sit_out_rounds(strategy, prompt, 40)
+    assert output == greedy_ids(target, prompt, 40)
+    assert schedule.gate.meter.rate < 1.0  # a random draft never earns its keep
+    assert rounds // 4 <= drafted <= rounds // 4 + 1, (drafted, rounds)  # one round in probe_every + 1
+
+
+def test_sit_out_never_benches_a_draft_that_pays(target: LoadedModel, wrong_draft: LoadedModel) -> None:
+    # a rate held at twice a plain step's (the meter all but frozen): every round drafts, even a wrong draft
+    schedule = SitOut(FixedLength(3), probe_every=3, prior_rate=2.0, momentum=1e-6)
+    strategy = DraftStrategy(target, "draft_sitout", wrong_draft, schedule, 512, 64)
+    prompt = prompt_ids(target, PROMPTS[1])
+    output, drafted, rounds = sit_out_rounds(strategy, prompt, 30)
+    assert output == greedy_ids(target, prompt, 30)
+    assert drafted == rounds
+    with pytest.raises(SpecdecError, match="probe_every"):
+        SitOut(FixedLength(3), probe_every=-1)
 
 
 def _first_token_counts(strategy: DraftStrategy, prompt: list[int], sp: SamplingParams, n: int) -> torch.Tensor:

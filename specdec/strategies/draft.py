@@ -8,6 +8,7 @@ target's tokenizer, or a trained drafter from `heads/` (reached through its conf
 How many tokens to draft is a `DraftSchedule`: a fixed gamma, transformers' heuristic, a static
 confidence threshold, or `CostAware`, which stops when one more token is expected to cost more
 than it returns (calibrated acceptance odds against the measured draft/target cost ratio).
+`SitOut` wraps any of them and drafts nothing while drafting measurably loses time.
 """
 
 from __future__ import annotations
@@ -21,12 +22,13 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor
 
-from specdec.engine.engine import Engine, ForwardOut, StaticEngine
+from specdec.engine.engine import Engine, ForwardOut, StaticEngine, pass_cost_curve
 from specdec.engine.kv_cache import KVCache
 from specdec.engine.sampling import sample, warp
 from specdec.errors import SpecdecError
 from specdec.models.loader import LoadedModel, check_same_tokenizer
 from specdec.strategies.base import DecodeState, Proposer, SpeculativeStrategy, make_engine
+from specdec.strategies.rate import RateMeter, SitOutGate
 from specdec.verify import Proposal, Verdict
 
 # --------------------------------------------------------------------------------------------------
@@ -123,7 +125,11 @@ class DraftSchedule(ABC):
 
     @abstractmethod
     def length(self) -> int:
-        """The most tokens to draft this round."""
+        """The most tokens to draft this round (called once per round; 0: no drafting, a plain step)."""
+
+    def calibrate(self, engine: Engine) -> None:
+        """Called once with the target's engine before any round, for schedules that measure pass costs."""
+        return None
 
     def keep_drafting(self, drafted: int, confidence: float) -> bool:
         """After drafting token number `drafted` whose draft probability was `confidence`."""
@@ -255,6 +261,41 @@ class CostAware(DraftSchedule):
         return t / (1 + self.verify_cost * (n - 1))
 
 
+class SitOut(DraftSchedule):
+    """`inner`'s schedule, but no drafting at all while the drafter's rounds lose time (`specdec.strategies.rate`).
+
+    A sat-out round is a plain one-token step and does not run the drafter; its cache catches up on the
+    skipped tokens in one pass when it next drafts. That saves what `inner` cannot: the drafting itself
+    and the verification's extra cost, where every guess is likely wrong. The rate counts the round's
+    tokens against its measured time in one-token target passes (pass costs measured at start-up).
+    """
+
+    def __init__(self, inner: DraftSchedule, probe_every: int = 8, prior_rate: float = 1.0,
+                 momentum: float = 0.05) -> None:
+        if probe_every < 0 or prior_rate <= 0 or not 0 < momentum <= 1:
+            raise SpecdecError(f"strategy.schedule: probe_every={probe_every} must be >= 0, prior_rate={prior_rate} "
+                               f"> 0 and momentum={momentum} in (0, 1]; e.g. probe_every=8 prior_rate=1.0")
+        self.inner = inner
+        self.gate = SitOutGate(RateMeter(prior_rate, momentum), probe_every)
+        self.costs: dict[int, float] = {}  # pass over n tokens / pass over one
+
+    def calibrate(self, engine: Engine) -> None:
+        self.inner.calibrate(engine)
+        self.costs = {1: 1.0, **pass_cost_curve(engine, list(range(2, self.inner.length() + 2)))}
+
+    def length(self) -> int:
+        return self.inner.length() if self.gate.open() else 0
+
+    def keep_drafting(self, drafted: int, confidence: float) -> bool:
+        return self.inner.keep_drafting(drafted, confidence)
+
+    def update(self, drafted: int, accepted: int, confidences: list[float], draft_s: float,
+               target_s: float) -> None:
+        self.inner.update(drafted, accepted, confidences, draft_s, target_s)
+        if self.costs:
+            self.gate.meter.update(1 + accepted, draft_s, target_s, self.costs[min(1 + drafted, max(self.costs))])
+
+
 # --------------------------------------------------------------------------------------------------
 # Proposer and strategy
 # --------------------------------------------------------------------------------------------------
@@ -374,6 +415,7 @@ class DraftStrategy(SpeculativeStrategy):
         super().__init__(target, name, max_len, prefill_chunk)
         self.drafter = Drafter.build(draft, target, max_len, prefill_chunk)
         self.schedule = schedule if schedule is not None else FixedLength()
+        self.schedule.calibrate(self.engine)
         self.last_proposer: DraftProposer | None = None
 
     def make_proposer(self) -> Proposer:

@@ -107,6 +107,7 @@ class EagleStrategy(SpeculativeStrategy):
         self.net: EagleDraftNet = drafter.bind(target) if hasattr(drafter, "bind") else drafter  # type: ignore[assignment]
         self.cache = self.net.new_cache(max_len)
         self.schedule = schedule if schedule is not None else Confidence(0.4, 3)
+        self.schedule.calibrate(self.engine)
         self.last_proposer: EagleProposer | None = None
 
     def make_proposer(self) -> Proposer:

@@ -27,25 +27,8 @@ from specdec.errors import SpecdecError
 from specdec.models.loader import LoadedModel
 from specdec.strategies.base import DecodeState, Proposer, SpeculativeStrategy
 from specdec.strategies.prompt_lookup import PromptLookupProposer
+from specdec.strategies.rate import RateMeter, SitOutGate
 from specdec.verify import Proposal, Verdict
-
-
-@dataclass
-class RateMeter:
-    """Running tokens per unit of cost (one unit: a one-token target pass) of the model drafter's rounds.
-
-    Kept by the strategy, so it carries over between turns like the draft-length schedules do.
-    """
-
-    rate: float = 1.0
-    momentum: float = 0.05
-
-    def update(self, produced: int, draft_s: float, target_s: float, pass_cost: float) -> None:
-        if target_s <= 0:
-            return
-        one_step = target_s / pass_cost  # the seconds of a one-token pass, from this pass's time
-        units = (draft_s + target_s) / one_step
-        self.rate = (1 - self.momentum) * self.rate + self.momentum * produced / units
 
 
 @dataclass
@@ -54,11 +37,9 @@ class LookupFirst:
 
     lookup: PromptLookupProposer
     model: Proposer
-    meter: RateMeter
+    gate: SitOutGate  # the model drafter's: its measured rate, and whether it may draft this round
     costs: dict[int, float]  # pass over n tokens / pass over one
-    probe_every: int = 8
     source: str = ""  # who proposed this round: "lookup", "model" or ""
-    _idle: int = 0  # rounds the model drafter sat out since it last drafted
     _t0: float = 0.0
     _proposed_at: float = 0.0
     _drafted: int = 0
@@ -71,19 +52,14 @@ class LookupFirst:
     def propose(self, state: DecodeState) -> Proposal | None:
         self._t0 = time.perf_counter()
         # a plain one-token step yields 1 token per unit: neither drafter may do worse than that
-        self.lookup.floor = max(1.0, self.meter.rate)
+        self.lookup.floor = max(1.0, self.gate.meter.rate)
         proposal = self.lookup.propose(state)
         self.source = "lookup"
         if proposal is None:
             self.source = ""
-            # a model drafter that has been losing time sits out, but is tried every `probe_every`
-            # rounds so that the meter notices when the text turns its way again
-            if self.meter.rate >= 1.0 or self._idle >= self.probe_every:
-                self._idle = 0
+            if self.gate.open():  # a model drafter that has been losing time sits out, bar probe rounds
                 proposal = self.model.propose(state)
                 self.source = "model" if proposal is not None else ""
-            else:
-                self._idle += 1
         self._proposed_at = time.perf_counter()
         self._drafted = len(proposal.tokens) if proposal is not None else 0
         self.rounds[self.source or "none"] += 1
@@ -92,7 +68,7 @@ class LookupFirst:
     def commit(self, state: DecodeState, verdict: Verdict, out: ForwardOut) -> None:
         if self.source == "model" and self._drafted:
             cost = self.costs[min(1 + self._drafted, max(self.costs))]
-            self.meter.update(len(verdict.tokens), self._proposed_at - self._t0,
+            self.gate.meter.update(len(verdict.tokens), self._proposed_at - self._t0,
                               time.perf_counter() - self._proposed_at, cost)
         # both always commit: the lookup indexes the new tokens, the model rolls its cache back to them
         self.lookup.commit(state, verdict, out)
@@ -132,7 +108,7 @@ class LookupHybrid(SpeculativeStrategy):
             raise SpecdecError(f"strategy.inner ({self.inner.name}) drafts nothing; give it a drafter")
         lookup = PromptLookupProposer(self.ngram_min, self.ngram_max, self.num_draft_tokens, 1, 1, False,
                                       self.engine.max_len, self.costs)
-        self.last_proposer = LookupFirst(lookup, model, self.meter, self.costs, self.probe_every)
+        self.last_proposer = LookupFirst(lookup, model, SitOutGate(self.meter, self.probe_every), self.costs)
         return self.last_proposer
 
     def accept(self, proposal: Proposal, logits: Tensor, state: DecodeState) -> Verdict:
