@@ -23,11 +23,13 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from specdec.errors import SpecdecError
+from specdec.models import cpu_kernels
 from specdec.models.loader import LoadedModel, check_trained_for
 
 WEIGHTS_FILE = "medusa.safetensors"
@@ -119,6 +121,16 @@ class MedusaHeads(nn.Module):
             self.proj = nn.Parameter(w[None].repeat(cfg.num_heads, 1, 1))  # (K, V', dim)
         else:
             self.register_buffer("proj", w, persistent=False)  # (V', dim), frozen, not saved
+        self.proj_np: np.ndarray | None = None  # set by `use_cpu_kernels`
+
+    def use_cpu_kernels(self) -> None:
+        """Run the shared projection at inference through specdec's few-row CPU kernels, as the target does.
+
+        Why: torch runs single-threaded beside those kernels (see `LoadedModel.torch_threads`), and the
+        projection streams the whole kept-vocabulary matrix each step for a handful of rows.
+        """
+        if self.proj.ndim == 2 and self.proj.device.type == "cpu" and cpu_kernels.available():
+            self.proj_np = self.proj.contiguous().numpy()
 
     @property
     def num_heads(self) -> int:
@@ -140,11 +152,15 @@ class MedusaHeads(nn.Module):
         return x @ self.proj.t()  # (..., K, V'): every head in one matmul
 
     @torch.inference_mode()
-    def topk(self, hidden: Tensor, k: int) -> Tensor:
-        """(dim,) hidden state of the newest accepted token -> (K, k) candidate ids in the full vocabulary."""
-        x = self.features(hidden.float())  # (K, dim)
+    def topk(self, hidden: Tensor, k: int, depth: int | None = None) -> Tensor:
+        """(dim,) hidden state of the newest accepted token -> (depth, k) candidate ids in the full vocabulary
+        from the first `depth` heads (all K by default): a tree `depth` deep has no use for deeper heads."""
+        d = self.num_heads if depth is None else depth
+        x = torch.stack([blocks(hidden.float()) for blocks in self.blocks[:d]])  # (d, dim)
         if self.proj.ndim == 3:
-            logits = torch.bmm(self.proj, x[:, :, None])[..., 0]  # (K, V')
+            logits = torch.bmm(self.proj[:d], x[:, :, None])[..., 0]  # (d, V')
+        elif self.proj_np is not None:
+            logits = torch.from_numpy(cpu_kernels.matmul_wt(np.ascontiguousarray(x.numpy()), self.proj_np))
         else:
             # W @ x^T streams W once as a GEMV-like product; x @ W^T ran about 2x slower on CPU
             logits = (self.proj @ x.t()).t()  # (K, V')
@@ -207,7 +223,14 @@ def load_heads(target: LoadedModel, path: str | Path) -> MedusaHeads:
     if missing or unexpected:
         raise SpecdecError(f"{weights} does not fit its config (missing {missing[:3]}, unexpected "
                            f"{unexpected[:3]}); retrain the heads")
-    return heads.eval().requires_grad_(False)
+    return _for_inference(heads, target)
+
+
+def _for_inference(heads: MedusaHeads, target: LoadedModel) -> MedusaHeads:
+    heads.eval().requires_grad_(False)
+    if target.matmul == "numba":
+        heads.use_cpu_kernels()
+    return heads
 
 
 def medusa_heads(target: LoadedModel, path: str | None = None, num_heads: int = 4, num_layers: int = 1,
@@ -228,4 +251,4 @@ def medusa_heads(target: LoadedModel, path: str | None = None, num_heads: int = 
             for name, p in heads.named_parameters():
                 if name.startswith("blocks."):
                     p.copy_(torch.randn(p.shape, generator=gen) / p.shape[-1] ** 0.5)
-    return heads.eval().requires_grad_(False)
+    return _for_inference(heads, target)

@@ -45,7 +45,7 @@ ACCEPTANCE = ("typical", "exact")
 class Heads(Protocol):
     num_heads: int
 
-    def topk(self, hidden: Tensor, k: int) -> Tensor: ...  # (dim,) -> (K, k) token ids
+    def topk(self, hidden: Tensor, k: int, depth: int | None = None) -> Tensor: ...  # (dim,) -> (depth, k) ids
 
 
 def tuned_tree_path(model_name: str) -> Path:
@@ -109,6 +109,7 @@ class MedusaProposer:
         self.head_of = torch.tensor([len(k) - 1 for k in keys])  # (N,) depth - 1 = the head that fills it
         self.rank_of = torch.tensor([k[-1] for k in keys])  # (N,)
         depth = [len(k) for k in keys]
+        self.depth = max(depth)  # heads the tree reads: deeper ones are not run
         self.up_to = [sum(d <= m for d in depth) for m in range(max(depth) + 1)]  # nodes of depth <= m
         self.room = room
         self.hidden: Tensor | None = None  # (dim,)
@@ -117,9 +118,9 @@ class MedusaProposer:
         self.hidden = out.hidden[-1]
 
     def candidates(self, state: DecodeState) -> Tensor:
-        """(K, width) guesses: row d ranks the heads' guesses for the token d + 1 after the root."""
+        """(depth, width) guesses: row d ranks the heads' guesses for the token d + 1 after the root."""
         assert self.hidden is not None
-        return self.heads.topk(self.hidden, self.width)
+        return self.heads.topk(self.hidden, self.width, self.depth)
 
     def propose(self, state: DecodeState) -> Proposal | None:
         top = self.candidates(state).cpu()
