@@ -24,6 +24,7 @@ from specdec.cli_checks import CONFIG_DIR
 from specdec.engine.engine import StaticEngine
 from specdec.engine.sampling import SamplingParams
 from specdec.errors import SpecdecError
+from specdec.models import cpu_kernels
 from specdec.models.loader import LoadedModel, load_model
 from specdec.strategies.base import DecodeState, GenerationParams, TurnResult
 from specdec.strategies.greedy import Greedy
@@ -85,6 +86,19 @@ def test_heads_shapes_and_kept_vocab_ids(tiny_target: LoadedModel) -> None:
     assert set(top.flatten().tolist()) <= set(heads.kept_ids.tolist())
     full = medusa_heads(tiny_target, num_heads=3, seed=0)
     assert full(h).shape == (2, 5, 3, VOCAB)
+
+
+@pytest.mark.parametrize("projection", ["shared", "own"])
+def test_topk_runs_only_the_heads_asked_for(tiny_target: LoadedModel, projection: str) -> None:
+    heads = medusa_heads(tiny_target, num_heads=3, projection=projection, head_vocab=100, seed=2)
+    h = torch.randn(64)
+    logits = heads(h)  # (3, 100): every head, the training path
+    want = heads.kept_ids[logits.topk(4, dim=-1).indices]  # (3, 4)
+    assert torch.equal(heads.topk(h, 4), want)
+    assert torch.equal(heads.topk(h, 4, depth=2), want[:2])
+    heads.use_cpu_kernels()  # the target's few-row CPU kernels for the shared projection (a no-op for "own")
+    assert (heads.proj_np is not None) == (projection == "shared" and cpu_kernels.available())
+    assert torch.equal(heads.topk(h, 4, depth=1), want[:1])
 
 
 def test_untrained_heads_start_as_the_target_head(tiny_target: LoadedModel) -> None:
