@@ -191,6 +191,9 @@ def test_sit_out_never_benches_a_draft_that_pays(target: LoadedModel, wrong_draf
     assert drafted == rounds
     with pytest.raises(SpecdecError, match="probe_every"):
         SitOut(FixedLength(3), probe_every=-1)
+    growing = SitOut(Heuristic(gamma=2, max_gamma=6))
+    DraftStrategy(target, "h", wrong_draft, growing, 512, 64)
+    assert max(growing.costs) == 7  # up to the heuristic's longest draft, not its first one
 
 
 def _first_token_counts(strategy: DraftStrategy, prompt: list[int], sp: SamplingParams, n: int) -> torch.Tensor:

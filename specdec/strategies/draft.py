@@ -127,6 +127,10 @@ class DraftSchedule(ABC):
     def length(self) -> int:
         """The most tokens to draft this round (called once per round; 0: no drafting, a plain step)."""
 
+    def longest(self) -> int:
+        """The most tokens any round may draft (a schedule whose length varies overrides this)."""
+        return self.length()
+
     def calibrate(self, engine: Engine) -> None:
         """Called once with the target's engine before any round, for schedules that measure pass costs."""
         return None
@@ -162,6 +166,9 @@ class Heuristic(DraftSchedule):
 
     def length(self) -> int:
         return self.gamma
+
+    def longest(self) -> int:
+        return self.max_gamma
 
     def update(self, drafted: int, accepted: int, confidences: list[float], draft_s: float,
                target_s: float) -> None:
@@ -281,7 +288,9 @@ class SitOut(DraftSchedule):
 
     def calibrate(self, engine: Engine) -> None:
         self.inner.calibrate(engine)
-        self.costs = {1: 1.0, **pass_cost_curve(engine, list(range(2, self.inner.length() + 2)))}
+        # longer drafts than 16 are charged as 16: timing every size up to a long cap costs start-up time
+        longest = min(self.inner.longest(), 16)
+        self.costs = {1: 1.0, **pass_cost_curve(engine, list(range(2, longest + 2)))}
 
     def length(self) -> int:
         return self.inner.length() if self.gate.open() else 0
