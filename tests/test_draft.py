@@ -173,7 +173,7 @@ def sit_out_rounds(strategy: DraftStrategy, prompt: list[int], n: int) -> tuple[
 def test_sit_out_skips_a_losing_draft_but_probes_it(target: LoadedModel, wrong_draft: LoadedModel) -> None:
     schedule = SitOut(FixedLength(3), probe_every=3, prior_rate=0.5, momentum=0.01)
     strategy = DraftStrategy(target, "draft_sitout", wrong_draft, schedule, 512, 64)
-    assert set(schedule.costs) == {1, 2, 3, 4}  # measured at start-up on this engine
+    assert set(schedule.gate.costs) == {1, 2, 3, 4}  # measured at start-up on this engine
     prompt = prompt_ids(target, PROMPTS[0])
     output, drafted, rounds = sit_out_rounds(strategy, prompt, 40)
     assert output == greedy_ids(target, prompt, 40)
@@ -193,7 +193,7 @@ def test_sit_out_never_benches_a_draft_that_pays(target: LoadedModel, wrong_draf
         SitOut(FixedLength(3), probe_every=-1)
     growing = SitOut(Heuristic(gamma=2, max_gamma=6))
     DraftStrategy(target, "h", wrong_draft, growing, 512, 64)
-    assert max(growing.costs) == 7  # up to the heuristic's longest draft, not its first one
+    assert max(growing.gate.costs) == 7  # up to the heuristic's longest draft, not its first one
 
 
 def _first_token_counts(strategy: DraftStrategy, prompt: list[int], sp: SamplingParams, n: int) -> torch.Tensor:

@@ -284,13 +284,12 @@ class SitOut(DraftSchedule):
                                f"> 0 and momentum={momentum} in (0, 1]; e.g. probe_every=8 prior_rate=1.0")
         self.inner = inner
         self.gate = SitOutGate(RateMeter(prior_rate, momentum), probe_every)
-        self.costs: dict[int, float] = {}  # pass over n tokens / pass over one
 
     def calibrate(self, engine: Engine) -> None:
         self.inner.calibrate(engine)
         # longer drafts than 16 are charged as 16: timing every size up to a long cap costs start-up time
         longest = min(self.inner.longest(), 16)
-        self.costs = {1: 1.0, **pass_cost_curve(engine, list(range(2, longest + 2)))}
+        self.gate.costs = {1: 1.0, **pass_cost_curve(engine, list(range(2, longest + 2)))}
 
     def length(self) -> int:
         return self.inner.length() if self.gate.open() else 0
@@ -301,8 +300,7 @@ class SitOut(DraftSchedule):
     def update(self, drafted: int, accepted: int, confidences: list[float], draft_s: float,
                target_s: float) -> None:
         self.inner.update(drafted, accepted, confidences, draft_s, target_s)
-        if self.costs:
-            self.gate.meter.update(1 + accepted, draft_s, target_s, self.costs[min(1 + drafted, max(self.costs))])
+        self.gate.record(1 + accepted, drafted, draft_s, target_s)
 
 
 # --------------------------------------------------------------------------------------------------

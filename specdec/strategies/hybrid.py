@@ -38,7 +38,6 @@ class LookupFirst:
     lookup: PromptLookupProposer
     model: Proposer
     gate: SitOutGate  # the model drafter's: its measured rate, and whether it may draft this round
-    costs: dict[int, float]  # pass over n tokens / pass over one
     source: str = ""  # who proposed this round: "lookup", "model" or ""
     _t0: float = 0.0
     _proposed_at: float = 0.0
@@ -67,9 +66,8 @@ class LookupFirst:
 
     def commit(self, state: DecodeState, verdict: Verdict, out: ForwardOut) -> None:
         if self.source == "model" and self._drafted:
-            cost = self.costs[min(1 + self._drafted, max(self.costs))]
-            self.gate.meter.update(len(verdict.tokens), self._proposed_at - self._t0,
-                              time.perf_counter() - self._proposed_at, cost)
+            self.gate.record(len(verdict.tokens), self._drafted, self._proposed_at - self._t0,
+                             time.perf_counter() - self._proposed_at)
         # both always commit: the lookup indexes the new tokens, the model rolls its cache back to them
         self.lookup.commit(state, verdict, out)
         self.model.commit(state, verdict, out)
@@ -108,7 +106,7 @@ class LookupHybrid(SpeculativeStrategy):
             raise SpecdecError(f"strategy.inner ({self.inner.name}) drafts nothing; give it a drafter")
         lookup = PromptLookupProposer(self.ngram_min, self.ngram_max, self.num_draft_tokens, 1, 1, False,
                                       self.engine.max_len, self.costs)
-        self.last_proposer = LookupFirst(lookup, model, SitOutGate(self.meter, self.probe_every), self.costs)
+        self.last_proposer = LookupFirst(lookup, model, SitOutGate(self.meter, self.probe_every, self.costs))
         return self.last_proposer
 
     def accept(self, proposal: Proposal, logits: Tensor, state: DecodeState) -> Verdict:

@@ -37,12 +37,19 @@ class RateMeter:
 class SitOutGate:
     """Open while the meter's rate is at least a plain step's (1), else once every `probe_every` closed rounds.
 
-    Call `open()` once per round.
+    Call `open()` once per round, and `record` after each round the drafter drafted.
     """
 
     meter: RateMeter = field(default_factory=RateMeter)
     probe_every: int = 8
+    # pass over n tokens / pass over one, from pass_cost_curve; until measured, every pass counts as one step
+    costs: dict[int, float] = field(default_factory=lambda: {1: 1.0})
     idle: int = 0  # rounds the drafter sat out since it last drafted
+
+    def record(self, produced: int, drafted: int, draft_s: float, target_s: float) -> None:
+        """A round that drafted `drafted` tokens and produced `produced`; drafts longer than the measured
+        costs reach are charged the longest one's cost."""
+        self.meter.update(produced, draft_s, target_s, self.costs[min(1 + drafted, max(self.costs))])
 
     def open(self) -> bool:
         if self.meter.rate >= 1.0 or self.idle >= self.probe_every:
