@@ -36,7 +36,9 @@ _ENV_ROWS = (
     ("data limit", "data.limit"), ("max_new_tokens", "generation.max_new_tokens"),
     ("temperature", "generation.temperature"), ("top_p", "generation.top_p"), ("seed", "seed"),
     ("warmup", "warmup"), ("repeats", "repeats"), ("torch", "environment.torch"),
-    ("python", "environment.python"), ("threads", "environment.threads"), ("cpu count", "environment.cpu_count"),
+    ("python", "environment.python"), ("threads", "environment.threads"), ("cpu", "environment.cpu"),
+    ("cpu count", "environment.cpu_count"), ("matmul", "environment.matmul"),
+    ("kernel layout", "environment.kernel_layout"),
     ("cuda", "environment.cuda"), ("platform", "environment.platform"), ("date", "environment.date"),
     ("commit", "environment.commit"),
 )

@@ -235,9 +235,22 @@ def git_commit() -> str | None:
     return (head + ("-dirty" if dirty else "")) or None
 
 
+def cpu_name() -> str:
+    """The CPU's model name: this project's machines of one kind have been AMD and Intel, and speedups
+    differ between them, so every result names the one it ran on."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def environment() -> dict[str, Any]:
     return {"commit": git_commit(), "torch": torch.__version__, "threads": torch.get_num_threads(),
-            "cpu_count": os.cpu_count(),
+            "cpu": cpu_name(), "cpu_count": os.cpu_count(),
             "platform": platform.platform(), "python": platform.python_version(),
             "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
             "date": time.strftime("%Y-%m-%d %H:%M:%S")}
@@ -279,6 +292,10 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     config["environment"] = environment() | {"dtype": str(target.dtype).removeprefix("torch."),
                                              "backend": target.backend,
                                              "matmul": target.matmul}
+    if target.matmul == "numba":
+        from specdec.models import cpu_kernels
+
+        config["environment"]["kernel_layout"] = cpu_kernels.layout()
     # the exact command, so every committed table names what reproduces it
     from hydra.core.hydra_config import HydraConfig
 

@@ -86,9 +86,19 @@ def test_cpu_matmuls_match_torch(load_tiny: Callable[..., LoadedModel], matmul: 
     torch.testing.assert_close(a, b, atol=ATOL, rtol=1e-4)
 
 
+@pytest.fixture(params=cpu_kernels.LAYOUTS if cpu_kernels.available() else [None])
+def kernel_layout(request: pytest.FixtureRequest) -> Any:
+    """Run the test under each of the numba kernels' multi-row layouts (the CPU picks one at load)."""
+    before = cpu_kernels._layout
+    if request.param is not None:
+        cpu_kernels.set_layout(request.param)
+    yield request.param
+    cpu_kernels._layout = before
+
+
 @pytest.mark.parametrize("n_out", [48, 53])  # a multiple of the kernels' tiles, and one with a ragged tail
 @pytest.mark.parametrize("n_in", [40, 576])  # a short vector loop with a tail, and SmolLM2's width
-def test_numba_kernels_are_batch_invariant(n_out: int, n_in: int) -> None:
+def test_numba_kernels_are_batch_invariant(n_out: int, n_in: int, kernel_layout: str) -> None:
     """Each row's product is bitwise the same whatever rows share the call (1..MAX_ROWS rows, every
     kernel, BLAS above MAX_ROWS aside), and equals x @ W^T to rounding."""
     rng = np.random.default_rng(0)
@@ -98,6 +108,33 @@ def test_numba_kernels_are_batch_invariant(n_out: int, n_in: int) -> None:
     np.testing.assert_allclose(full, x @ w.T, rtol=1e-4, atol=1e-4)
     for rows in range(1, cpu_kernels.MAX_ROWS):
         assert np.array_equal(cpu_kernels.matmul_wt(np.ascontiguousarray(x[:rows]), w), full[:rows]), rows
+
+
+@pytest.mark.skipif(not cpu_kernels.available(), reason="needs numba")
+def test_kernel_layouts_agree_bitwise_and_the_pick_sticks() -> None:
+    """Which layout the CPU picks changes speed only: both give bitwise the same products. pick_layout
+    returns one of them, and later calls keep it."""
+    rng = np.random.default_rng(1)
+    ws = [rng.standard_normal((n, 576), dtype=np.float32) for n in (53, 96)]
+    x = rng.standard_normal((7, 576), dtype=np.float32)
+    before = cpu_kernels._layout
+    try:
+        outs = {}
+        for name in cpu_kernels.LAYOUTS:
+            cpu_kernels.set_layout(name)
+            outs[name] = [cpu_kernels.matmul_wt(x, w) for w in ws]
+        for a, b in zip(*outs.values()):
+            assert np.array_equal(a, b)
+        cpu_kernels._layout = None
+        picked = cpu_kernels.pick_layout(ws, reps=1)
+        assert picked in cpu_kernels.LAYOUTS and cpu_kernels.layout() == picked
+        other = next(n for n in cpu_kernels.LAYOUTS if n != picked)
+        cpu_kernels.set_layout(other)
+        assert cpu_kernels.pick_layout(ws) == other  # chosen once per process
+        with pytest.raises(ValueError, match="unknown kernel layout"):
+            cpu_kernels.set_layout("tiles")
+    finally:
+        cpu_kernels._layout = before
 
 
 def test_hf_engine_matches_static_engine(load_tiny: Callable[..., LoadedModel]) -> None:
@@ -150,7 +187,8 @@ def test_unsupported_architecture_is_refused() -> None:
 
 
 @pytest.mark.parametrize("model_type", ["llama", "qwen2"])  # qwen2: q/k/v biases
-def test_fused_cpu_layers_match_torch(load_tiny: Callable[..., LoadedModel], model_type: str) -> None:
+def test_fused_cpu_layers_match_torch(load_tiny: Callable[..., LoadedModel], model_type: str,
+                                      kernel_layout: str) -> None:
     """matmul=numba runs passes of up to MAX_ROWS tokens through cpu_layer.layer_forward: after the same
     prefill, single tokens, odd and even chains and a token tree give the torch model's logits and
     leave the same K/V in the cache."""
@@ -173,7 +211,7 @@ def test_fused_cpu_layers_match_torch(load_tiny: Callable[..., LoadedModel], mod
         torch.testing.assert_close(b, a, atol=ATOL, rtol=1e-4)
 
 
-def test_fused_cpu_pass_is_batch_invariant(load_tiny: Callable[..., LoadedModel]) -> None:
+def test_fused_cpu_pass_is_batch_invariant(load_tiny: Callable[..., LoadedModel], kernel_layout: str) -> None:
     """With matmul=numba a pass over several chained tokens gives bitwise the logits that one-token
     steps give, so speculative verification decides on exactly the numbers greedy decoding sees."""
     model = load_tiny("llama", matmul="numba").model
@@ -185,7 +223,8 @@ def test_fused_cpu_pass_is_batch_invariant(load_tiny: Callable[..., LoadedModel]
     assert torch.equal(many.forward(torch.tensor(ids[12:])).logits, steps)
 
 
-def test_fused_cpu_tree_nodes_equal_their_paths_bitwise(load_tiny: Callable[..., LoadedModel]) -> None:
+def test_fused_cpu_tree_nodes_equal_their_paths_bitwise(load_tiny: Callable[..., LoadedModel],
+                                                        kernel_layout: str) -> None:
     """With matmul=numba each node of a token tree gets bitwise the logits that decoding its path one
     token at a time gives (masked slots add exact zeros; every kernel sums in the same shape), so
     Medusa and lookahead verify on exactly the numbers greedy decoding sees."""

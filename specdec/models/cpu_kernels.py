@@ -4,12 +4,13 @@ Why not BLAS: OpenBLAS and MKL are tuned for large GEMMs. For 2 to 8 rows they p
 matrix before multiplying, so a verification pass over a few tokens streams the weights about twice
 and costs 1.6-1.9x a one-token step, which eats most of what speculation saves. These kernels read
 each weight row once, straight from its (out, in) row-major storage, and reuse it from L1 for every
-row of x. Measured on this project's 2-core machines (SmolLM2-135M's 120 layer matrices, 0.45 GB,
-interleaved repeats): one row 18-19 ms (OpenBLAS GEMV 22 ms), 4 rows 19-23 ms (OpenBLAS 48), 8 rows
-28-33 ms (OpenBLAS 38), 16 rows 48-60 ms (OpenBLAS 61).
+row of x. Measured on an AMD EPYC of this project's 2-core machines (SmolLM2-135M's 120 layer
+matrices, 0.45 GB, interleaved repeats): one row 18-19 ms (OpenBLAS GEMV 22 ms), 4 rows 19-23 ms
+(OpenBLAS 48), 8 rows 28-33 ms (OpenBLAS 38), 16 rows 48-60 ms (OpenBLAS 61). Two layouts serve
+several rows and the CPU decides between them at load (`pick_layout`).
 
 Each output element is one dot product over `in` computed by the same four-sum loop whatever the
-number of rows, so a row's result does not depend on which other rows share the call.
+number of rows and the layout, so a row's result does not depend on which other rows share the call.
 """
 
 from __future__ import annotations
@@ -64,33 +65,35 @@ if numba is not None:
     # depend on how many tokens share its pass, which lossless speculation relies on.
 
     @njit(parallel=True, fastmath=True, cache=True)
-    def _one_row(x, w, y):  # pragma: no cover - compiled
-        # x (1, K) against weight rows four at a time; a ragged last block repeats row N - 1 (the
-        # compiler cannot know that, so it keeps four sums) and writes only the rows it owns
-        K = x.shape[1]
+    def _rows_each(x, w, y):  # pragma: no cover - compiled
+        # Any number of rows. Weight rows four at a time (a ragged last block repeats row N - 1: the
+        # compiler cannot know that, so it keeps four sums, and the block writes only the rows it owns);
+        # each row of x passes over the block in turn, the first pass streaming it from memory and the
+        # others reading it from L1. A one-row call runs the same loop.
+        M, K = x.shape
         N = w.shape[0]
         last = N - 1
         for b in prange((N + 3) // 4):
             n = b * 4
             n1, n2, n3 = min(n + 1, last), min(n + 2, last), min(n + 3, last)
-            a0 = f32(0.0); a1 = f32(0.0); a2 = f32(0.0); a3 = f32(0.0)  # noqa: E702
-            for k in range(K):
-                v = x[0, k]
-                a0 += v * w[n, k]; a1 += v * w[n1, k]; a2 += v * w[n2, k]; a3 += v * w[n3, k]  # noqa: E702
-            y[0, n] = a0
-            if n + 3 < N:
-                y[0, n1] = a1; y[0, n2] = a2; y[0, n3] = a3  # noqa: E702
-            elif n + 2 < N:
-                y[0, n1] = a1; y[0, n2] = a2  # noqa: E702
-            elif n + 1 < N:
-                y[0, n1] = a1
+            for m in range(M):
+                a0 = f32(0.0); a1 = f32(0.0); a2 = f32(0.0); a3 = f32(0.0)  # noqa: E702
+                for k in range(K):
+                    v = x[m, k]
+                    a0 += v * w[n, k]; a1 += v * w[n1, k]; a2 += v * w[n2, k]; a3 += v * w[n3, k]  # noqa: E702
+                y[m, n] = a0
+                if n + 3 < N:
+                    y[m, n1] = a1; y[m, n2] = a2; y[m, n3] = a3  # noqa: E702
+                elif n + 2 < N:
+                    y[m, n1] = a1; y[m, n2] = a2  # noqa: E702
+                elif n + 1 < N:
+                    y[m, n1] = a1
 
     @njit(parallel=True, fastmath=True, cache=True)
-    def _row_quads(x, w, y):  # pragma: no cover - compiled
-        # x (M, K), M a multiple of 4. Each block of four weight rows is streamed once; every group of
-        # four rows of x then passes over it in L1, one weight row at a time. One sequential stream
-        # per thread keeps the prefetcher ahead while the FMAs run: measured on SmolLM2's matrices,
-        # 4 rows cost ~1.1x one row, against ~1.4x for the earlier 2x4 tiles.
+    def _rows_shared(x, w, y):  # pragma: no cover - compiled
+        # M a multiple of 4. Each block of four weight rows is streamed once; every group of four rows
+        # of x then passes over it in L1, one weight row at a time, so each weight element loaded serves
+        # four rows of x.
         M, K = x.shape
         N = w.shape[0]
         for b in prange((N + 3) // 4):
@@ -103,19 +106,68 @@ if numba is not None:
                     y[m, n] = a0; y[m + 1, n] = a1; y[m + 2, n] = a2; y[m + 3, n] = a3  # noqa: E702
 
     @njit(fastmath=True, cache=True)
-    def mm_into(x, w, y):  # pragma: no cover - compiled
-        """y (M, N) = x (M, K) @ w (N, K)^T for M of 1 or a multiple of 4 (see `kernel_rows`)."""
-        if x.shape[0] == 1:
-            _one_row(x, w, y)
+    def mm_into(x, w, y, shared):  # pragma: no cover - compiled
+        """y (M, N) = x (M, K) @ w (N, K)^T. `shared` (see `pick_layout`): M must be 1 or a multiple
+        of 4 (`kernel_rows`); otherwise any M."""
+        if x.shape[0] == 1 or not shared:
+            _rows_each(x, w, y)
         elif x.shape[0] % 4:
-            raise ValueError("mm_into takes 1 or a multiple of 4 rows; pad with cpu_kernels.kernel_rows")
+            raise ValueError("the shared layout takes 1 or a multiple of 4 rows; pad with cpu_kernels.kernel_rows")
         else:
-            _row_quads(x, w, y)
+            _rows_shared(x, w, y)
+
+
+# Which multi-row kernel runs: "shared" (each weight element loaded serves four rows of x; x padded to
+# a multiple of 4 rows) or "each" (each row of x runs the one-row loop over a block of weight rows held
+# in L1; no padding). Which is faster depends on the CPU, so `pick_layout` times both on the model's
+# own matrices. Measured with SmolLM2-135M's matrices (all 121, 0.54 GB): on an AMD EPYC (AVX2) the
+# shared layout made a 4-token pass ~1.1x a one-token one; on an Intel Xeon with AVX-512 (2026-11-30)
+# 4 rows took 32-34 ms shared against 29-30 ms each, one row 21-23 ms, and a 2-token pass of the whole
+# model 34 ms against 40 (one token 29 ms), since "each" does not pad 2 rows to 4.
+LAYOUTS = ("shared", "each")
+_layout: str | None = None
+
+
+def layout() -> str:
+    """The multi-row kernel in use ("shared" until `pick_layout` or `set_layout` says otherwise)."""
+    return _layout or "shared"
+
+
+def set_layout(name: str) -> None:
+    global _layout
+    if name not in LAYOUTS:
+        raise ValueError(f"unknown kernel layout {name!r}; use one of {LAYOUTS}")
+    _layout = name
 
 
 def kernel_rows(rows: int) -> int:
-    """Rows `mm_into` takes for `rows` rows of x: 1, or the next multiple of 4 (zero rows added)."""
-    return rows if rows == 1 else (rows + 3) // 4 * 4
+    """Rows `mm_into` takes for `rows` rows of x under the current layout (zero rows added)."""
+    return rows if rows == 1 or layout() == "each" else (rows + 3) // 4 * 4
+
+
+def pick_layout(weights: list[np.ndarray], reps: int = 3) -> str:
+    """Time both layouts on `weights` (the model's own matrices) at 2, 3 and 4 rows, in interleaved
+    rounds, keep the faster in total and return its name. Once per process: the answer is the CPU's."""
+    import time
+
+    if _layout is not None:
+        return _layout
+    rng = np.random.default_rng(0)
+    xs = {(m, w.shape[1]): rng.standard_normal((m, w.shape[1])).astype(np.float32)
+          for m in (2, 3, 4) for w in weights}
+    totals = {name: [] for name in LAYOUTS}
+    for r in range(reps + 1):  # the first round compiles and warms up
+        for name in LAYOUTS:
+            set_layout(name)
+            start = time.perf_counter()
+            for m in (2, 3, 4):
+                for w in weights:
+                    matmul_wt(xs[m, w.shape[1]], w)
+            if r:
+                totals[name].append(time.perf_counter() - start)
+    best = min(LAYOUTS, key=lambda n: sorted(totals[n])[len(totals[n]) // 2])
+    set_layout(best)
+    return best
 
 
 def matmul_wt(x: np.ndarray, w: np.ndarray) -> np.ndarray:
@@ -123,9 +175,10 @@ def matmul_wt(x: np.ndarray, w: np.ndarray) -> np.ndarray:
     rows = x.shape[0]
     if rows > MAX_ROWS:
         return x @ w.T  # BLAS GEMM with a transposed operand: no copy of w
+    shared = layout() == "shared"
     pad = kernel_rows(rows) - rows
     padded = np.concatenate([x, np.zeros((pad, x.shape[1]), dtype=np.float32)]) if pad else x
     y = np.empty((padded.shape[0], w.shape[0]), dtype=np.float32)
-    mm_into(padded, w, y)
+    mm_into(padded, w, y, shared)
     return y[:rows]
 

@@ -145,14 +145,15 @@ if cpu_kernels.available():
 
     @njit(cache=True)
     def layer_forward(x, rope, keys, values, start, mask, use_mask, attn_norm, wqkv, bqkv, bo, wo,  # pragma: no cover
-                      mlp_norm, w_gate_up, w_down, eps, n_heads, n_kv, head_dim, hidden):
-        """x (T, dim) -> the layer's output (T, dim); K/V of the T tokens written at slots start.."""
+                      mlp_norm, w_gate_up, w_down, eps, n_heads, n_kv, head_dim, hidden, shared):
+        """x (T, dim) -> the layer's output (T, dim); K/V of the T tokens written at slots start..
+        `shared`: cpu_kernels' layout (mm_into then takes 1 or 4n rows: pad)."""
         T, dim = x.shape
-        rows = T if T == 1 else (T + 3) // 4 * 4  # cpu_kernels.kernel_rows: mm_into takes 1 or 4n rows
+        rows = T if T == 1 or not shared else (T + 3) // 4 * 4  # cpu_kernels.kernel_rows
         h = np.zeros((rows, dim), dtype=np.float32)
         _rms_norm(x, attn_norm, eps, h)
         qkv = np.empty((rows, wqkv.shape[0]), dtype=np.float32)
-        mm_into(h, wqkv, qkv)
+        mm_into(h, wqkv, qkv, shared)
         for t in range(T):
             for i in range(wqkv.shape[0]):
                 qkv[t, i] += bqkv[i]
@@ -160,18 +161,18 @@ if cpu_kernels.available():
         probs = np.empty((T * n_heads, start + T), dtype=np.float32)
         _attend(qkv, rope, keys, values, start, mask, use_mask, n_heads, n_kv, head_dim, att, probs)
         o = np.empty((rows, dim), dtype=np.float32)
-        mm_into(att, wo, o)
+        mm_into(att, wo, o, shared)
         mid = np.empty((T, dim), dtype=np.float32)
         for t in range(T):
             for i in range(dim):
                 mid[t, i] = x[t, i] + (o[t, i] + bo[i])
         _rms_norm(mid, mlp_norm, eps, h)
         gate_up = np.empty((rows, w_gate_up.shape[0]), dtype=np.float32)
-        mm_into(h, w_gate_up, gate_up)
+        mm_into(h, w_gate_up, gate_up, shared)
         act = np.zeros((rows, hidden), dtype=np.float32)
         _silu_mul(gate_up[:T], hidden, act)
         down = np.empty((rows, dim), dtype=np.float32)
-        mm_into(act, w_down, down)
+        mm_into(act, w_down, down, shared)
         for t in range(T):
             for i in range(dim):
                 mid[t, i] += down[t, i]
@@ -198,7 +199,8 @@ class FusedBlock(Block):
             x[0].numpy(), rope, k_all[attn.layer, 0], v_all[attn.layer, 0], cache.lengths[0], m, not no_mask,
             self.attn_norm.weight.numpy(), attn.wqkv.weight_np, *self._biases(), attn.wo.weight_np,
             self.mlp_norm.weight.numpy(), mlp.w_gate_up.weight_np, mlp.w_down.weight_np,
-            self.attn_norm.eps, attn.n_heads, attn.n_kv, attn.head_dim, mlp.hidden_dim)
+            self.attn_norm.eps, attn.n_heads, attn.n_kv, attn.head_dim, mlp.hidden_dim,
+            cpu_kernels.layout() == "shared")
         return torch.from_numpy(out)[None]  # (1, T, dim)
 
     def _biases(self) -> tuple[np.ndarray, np.ndarray]:

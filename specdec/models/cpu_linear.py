@@ -83,7 +83,13 @@ def use_numpy_linears(module: nn.Module, kind: type[nn.Module] = NumpyLinear) ->
 def use_numba_linears(module: nn.Module) -> int:
     if not cpu_kernels.available():
         raise ImportError("model.matmul=numba needs the numba package: pip install numba")
-    return use_numpy_linears(module, NumbaLinear)
+    swapped = use_numpy_linears(module, NumbaLinear)
+    # The kernels' multi-row layout is the CPU's choice: the first model to use them times both on its
+    # own matrices (a few hundred ms), every later one keeps that choice.
+    weights = [m.weight_np for m in module.modules() if isinstance(m, NumbaLinear)]
+    if weights:
+        cpu_kernels.pick_layout(weights)
+    return swapped
 
 
 def use_torch_linears(module: nn.Module) -> None:
