@@ -137,6 +137,18 @@ def test_kernel_layouts_agree_bitwise_and_the_pick_sticks() -> None:
         cpu_kernels._layout = before
 
 
+@pytest.mark.skipif(not cpu_kernels.available(), reason="needs numba")
+def test_kernel_layout_can_be_pinned(monkeypatch: pytest.MonkeyPatch) -> None:
+    w = np.ones((8, 16), dtype=np.float32)
+    monkeypatch.setattr(cpu_kernels, "_layout", None)
+    monkeypatch.setenv("SPECDEC_KERNEL_LAYOUT", "each")
+    assert cpu_kernels.pick_layout([w]) == "each" == cpu_kernels.layout()
+    monkeypatch.setattr(cpu_kernels, "_layout", None)
+    monkeypatch.setenv("SPECDEC_KERNEL_LAYOUT", "tiles")
+    with pytest.raises(SpecdecError, match="SPECDEC_KERNEL_LAYOUT='tiles' is not a kernel layout"):
+        cpu_kernels.pick_layout([w])
+
+
 def test_hf_engine_matches_static_engine(load_tiny: Callable[..., LoadedModel]) -> None:
     ids = random_ids(17, VOCAB, seed=4)
     ours = StaticEngine(load_tiny("llama").model, 64, prefill_chunk=5)

@@ -147,11 +147,22 @@ def kernel_rows(rows: int) -> int:
 
 def pick_layout(weights: list[np.ndarray], reps: int = 3) -> str:
     """Time both layouts on `weights` (the model's own matrices) at 2, 3 and 4 rows, in interleaved
-    rounds, keep the faster in total and return its name. Once per process: the answer is the CPU's."""
+    rounds, keep the faster in total and return its name. Once per process: the answer is the CPU's.
+    The environment variable SPECDEC_KERNEL_LAYOUT=shared|each skips the timing and uses that one."""
+    import os
     import time
 
     if _layout is not None:
         return _layout
+    forced = os.environ.get("SPECDEC_KERNEL_LAYOUT")
+    if forced:  # to compare the layouts on one machine, or to pin one for a series of runs
+        if forced not in LAYOUTS:
+            from specdec.errors import SpecdecError
+
+            raise SpecdecError(f"SPECDEC_KERNEL_LAYOUT={forced!r} is not a kernel layout; use one of "
+                               f"{', '.join(LAYOUTS)}, or unset it to let the CPU pick")
+        set_layout(forced)
+        return forced
     rng = np.random.default_rng(0)
     xs = {(m, w.shape[1]): rng.standard_normal((m, w.shape[1])).astype(np.float32)
           for m in (2, 3, 4) for w in weights}
