@@ -29,7 +29,9 @@ from specdec.cli_checks import CONFIG_DIR
 from specdec.data import default_suite
 from specdec.engine.engine import pass_times
 from specdec.errors import SpecdecError
+from specdec.models import cpu_kernels
 from specdec.models.loader import LoadedModel
+from specdec.run import cpu_name
 from specdec.strategies.base import GenerationParams, Strategy, make_engine, torch_threads
 
 
@@ -135,7 +137,8 @@ def bench(cfg: DictConfig) -> dict[str, Any]:
             drafts[name] = {"error": " ".join(str(e).split())[:200]}  # type: ignore[dict-item]
     return {
         "model": target.name, "dtype": str(target.dtype).removeprefix("torch."),
-        "matmul": target.matmul, "threads": torch.get_num_threads(),
+        "matmul": target.matmul, "threads": torch.get_num_threads(), "cpu": cpu_name(),
+        "kernel_layout": cpu_kernels.layout() if target.matmul == "numba" else None,
         "memory_bandwidth_gb_per_s": bandwidth, "weight_bytes": nbytes,
         "bandwidth_bound_ms_per_token": nbytes / bandwidth / 1e6,
         "greedy_vs_hf": speed,
@@ -148,8 +151,9 @@ def bench(cfg: DictConfig) -> dict[str, Any]:
 
 
 def to_markdown(r: dict[str, Any]) -> str:
-    lines = [f"# specdec.bench: {r['model']} ({r['dtype']}, matmul {r['matmul']}, {r['threads']} threads)", "",
-             f"`{r['command']}` on {r['date']}", "",
+    layout = f", kernel layout {r['kernel_layout']}" if r.get("kernel_layout") else ""
+    lines = [f"# specdec.bench: {r['model']} ({r['dtype']}, matmul {r['matmul']}{layout}, {r['threads']} threads)", "",
+             f"`{r['command']}` on {r['date']}" + (f", {r['cpu']}" if r.get("cpu") else ""), "",
              f"- memory read bandwidth {r['memory_bandwidth_gb_per_s']:.1f} GB/s; weights read per step "
              f"{r['weight_bytes'] / 1e6:.0f} MB; bound {r['bandwidth_bound_ms_per_token']:.1f} ms/token",
              f"- peak resident memory {r['peak_rss_mb']:.0f} MB", "",

@@ -15,6 +15,9 @@ number of rows and the layout, so a row's result does not depend on which other 
 
 from __future__ import annotations
 
+import os
+import time
+
 import numpy as np
 
 try:
@@ -120,10 +123,10 @@ if numba is not None:
 # Which multi-row kernel runs: "shared" (each weight element loaded serves four rows of x; x padded to
 # a multiple of 4 rows) or "each" (each row of x runs the one-row loop over a block of weight rows held
 # in L1; no padding). Which is faster depends on the CPU, so `pick_layout` times both on the model's
-# own matrices. Measured with SmolLM2-135M's matrices (all 121, 0.54 GB): on an AMD EPYC (AVX2) the
-# shared layout made a 4-token pass ~1.1x a one-token one; on an Intel Xeon with AVX-512 (2026-11-30)
-# 4 rows took 32-34 ms shared against 29-30 ms each, one row 21-23 ms, and a 2-token pass of the whole
-# model 34 ms against 40 (one token 29 ms), since "each" does not pad 2 rows to 4.
+# own matrices. `python -m specdec.bench` on SmolLM2-135M: on an AMD EPYC (AVX2), with the shared layout,
+# a pass over 2 tokens cost 1.04x one token and over 4 1.07x (experiments/bench); on an Intel Xeon with
+# AVX-512, with each layout pinned, 2 tokens 1.39x shared against 1.15x each, 4 tokens 1.43x against
+# 1.29x (experiments/bench_intel_*).
 LAYOUTS = ("shared", "each")
 _layout: str | None = None
 
@@ -149,9 +152,6 @@ def pick_layout(weights: list[np.ndarray], reps: int = 3) -> str:
     """Time both layouts on `weights` (the model's own matrices) at 2, 3 and 4 rows, in interleaved
     rounds, keep the faster in total and return its name. Once per process: the answer is the CPU's.
     The environment variable SPECDEC_KERNEL_LAYOUT=shared|each skips the timing and uses that one."""
-    import os
-    import time
-
     if _layout is not None:
         return _layout
     forced = os.environ.get("SPECDEC_KERNEL_LAYOUT")
