@@ -89,6 +89,12 @@ def test_run_writes_the_contract(greedy_vs_hf: tuple[Path, dict[str, Any], DictC
     assert greedy["acceptance_rate"] is None
     assert hf["speedup"] == pytest.approx(hf["tokens_per_s"] / greedy["tokens_per_s"])
     assert on_disk["config"]["model"]["name"] == "tiny-llama"
+    env = on_disk["config"]["environment"]  # machines of one kind differ (AMD, Intel): each result names its CPU
+    assert isinstance(env["cpu"], str) and env["cpu"]
+    if env["matmul"] == "numba":
+        from specdec.models import cpu_kernels
+
+        assert env["kernel_layout"] in cpu_kernels.LAYOUTS
 
 
 def test_results_pass_the_shared_checker(greedy_vs_hf: tuple[Path, dict[str, Any], DictConfig]) -> None:
