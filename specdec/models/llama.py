@@ -197,7 +197,9 @@ class Llama(nn.Module):
             x = block(x, freqs, cache, mask)
         cache.advance(tokens.shape[1])
         h = self.norm(x)
-        return self.lm_head(h[:, logits_from:]), h
+        # A sliced (B, T', D) view is not contiguous when B > 1; torch would run it as a bmm against B
+        # expanded copies of the output head (seconds per batched prefill), so copy the rows instead.
+        return self.lm_head(h[:, logits_from:].contiguous()), h
 
     def load_hf_state_dict(self, sd: dict[str, Tensor]) -> None:
         """Copy tensors named as in Hugging Face checkpoints, fusing the projections we fuse."""
