@@ -47,11 +47,12 @@ def write_card(out_dir: Path, name: str, model: str, meta: dict[str, Any], argv:
         f"- Data: {meta.get('sequences')} training sequences, {meta.get('target_tokens')} target tokens "
         f"(prompts: offline suite, {data.get('per_category')} per category for seeds {data.get('seeds')}, "
         f"plus up to {data.get('instructions', 0)} general chat instructions from heads/instruction_prompts.py, "
-        f"benchmark prompts excluded; continuations of {data.get('max_new_tokens')} tokens, generation "
+        f"benchmark prompts excluded; continuations of {data.get('max_new_tokens')} tokens, generated in "
+        f"{meta.get('data_dtype', 'fp32')} in {_fmt(meta.get('data_minutes'))} min, "
         f"budget {data.get('max_minutes')} min)",
         f"- Training: {meta.get('steps')} steps, {_fmt(meta.get('epochs'))} epochs, {_fmt(meta.get('minutes'))} min "
         f"(budget {train.get('max_minutes')} min), batch {train.get('batch_size')}, lr {train.get('lr')}, "
-        f"sequence length {train.get('seq_len')}",
+        f"sequence length {train.get('seq_len')}, mixed precision {train.get('mixed_precision', 'no')}",
         f"- Loss: first {_fmt(meta.get('first_loss'))}, last {_fmt(meta.get('last_loss'))}",
         "",
     ]

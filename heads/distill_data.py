@@ -111,6 +111,7 @@ class DistillSet:
     # (rows, D) float16 memory map: the target's hidden states of example j's tokens are rows
     # hidden_start[j] .. hidden_start[j] + len(input_ids[j]); None when generated without them
     hidden: np.ndarray | None = None
+    minutes: float = 0.0  # generation time summed over every run that built this set
 
 
 def _generate_chunk(target: LoadedModel, ids: list[list[int]], max_new_tokens: int, batch_size: int,
@@ -205,4 +206,4 @@ def build_distill_dataset(target: LoadedModel, per_category: int = 70, seeds: tu
     hidden = _joined_hidden(folder, parts, lengths)
     if hidden is not None:
         data = data.add_column("hidden_start", np.concatenate([[0], np.cumsum(lengths)[:-1]]).tolist())
-    return DistillSet(data, hidden)
+    return DistillSet(data, hidden, spent / 60)

@@ -60,7 +60,7 @@ from torch.utils.data import DataLoader, Sampler
 from heads.card import write_card
 from specdec.cli_checks import CONFIG_DIR
 from specdec.errors import SpecdecError
-from specdec.models.loader import LoadedModel
+from specdec.models.loader import DTYPES, LoadedModel
 
 CHECKPOINTS = "checkpoints"
 
@@ -363,8 +363,17 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     data_cfg = OmegaConf.to_container(cfg.data, resolve=True)
     assert isinstance(data_cfg, dict)
     data_cfg["seeds"] = tuple(data_cfg["seeds"])
+    gen_dtype = data_cfg.pop("dtype", None) or str(cfg.model.dtype)
+    if gen_dtype not in DTYPES:
+        raise SpecdecError(f"unknown data.dtype {gen_dtype!r}; use null (the target's) or one of {', '.join(DTYPES)}")
     with accelerator.main_process_first():
-        distill = build_distill_dataset(target, **data_cfg, log=say)
+        # The data may be generated at a lower precision than the target trains against: on CPUs with
+        # AMX, bf16 GEMMs run far faster than fp32, and an occasional near-tie flipped in a continuation
+        # costs less than the data it buys. The hidden states then come from that copy too.
+        generator = target if gen_dtype == str(cfg.model.dtype) else instantiate(
+            cfg.model, device=str(accelerator.device), dtype=gen_dtype, matmul="torch")
+        distill = build_distill_dataset(generator, **data_cfg, log=say)
+        del generator
         data, store = distill.data, None
         if trainable.needs_hidden and distill.hidden is not None:
             data, store = with_generated_hidden(data, distill.hidden, int(t.seq_len))
@@ -469,7 +478,8 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     meta = {"steps": state.step, "epochs": state.epoch, "minutes": state.elapsed_s / 60,
             "loss_ema": state.loss_ema, "first_loss": state.first_loss,
             "last_loss": sum(state.recent_losses) / len(state.recent_losses) if state.recent_losses else None,
-            "sequences": len(train_data), "target_tokens": tokens,
+            "sequences": len(train_data), "target_tokens": tokens, "data_minutes": distill.minutes,
+            "data_dtype": gen_dtype,
             "date": time.strftime("%Y-%m-%d %H:%M:%S"), "config": OmegaConf.to_container(cfg, resolve=True)} | val
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:

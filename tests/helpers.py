@@ -128,6 +128,7 @@ def assert_draws_follow(counts: Tensor, p: Tensor, min_bins: int = 4) -> None:
 def tiny_train_overrides(head: str, out: Any, data_dir: Any, max_new_tokens: int = 16) -> list[str]:
     """`python -m heads.train` overrides for a seconds-long run on tiny-llama (callers add steps, lr, head)."""
     return ["model=tiny-llama", f"head={head}", f"output_dir={out}", f"data.cache_dir={data_dir}",
-            "data.per_category=1", "data.seeds=[1]", f"data.max_new_tokens={max_new_tokens}", "data.batch_size=4",
+            "data.per_category=1", "data.seeds=[1]", "data.instructions=0", f"data.max_new_tokens={max_new_tokens}",
+            "data.batch_size=4",
             "train.batch_size=2", "train.seq_len=96", "train.torch_threads=1", "train.log_every=100",
             "train.val_fraction=0"]

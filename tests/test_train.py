@@ -32,7 +32,7 @@ def data_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def config(out: Path, data_dir: Path, *overrides: str) -> DictConfig:
     with initialize_config_dir(str(CONFIG_DIR), version_base=None):
         return compose("train", overrides=[
-            *tiny_train_overrides("draft", out, data_dir), "data.instructions=0",
+            *tiny_train_overrides("draft", out, data_dir),
             "head.layers=1", "head.init_layers=[0]", "head.kept_vocab=128", "head.kl_weight=0", *overrides])
 
 
@@ -97,6 +97,7 @@ def test_short_training_lowers_loss_and_ships_a_usable_draft(tmp_path: Path, dat
     card = (out / "README.md").read_text()
     assert "# draft for tiny-llama" in card and "30 steps" in card and "python -m heads.train" in card
     assert f"last {meta['last_loss']:.4g}" in card
+    assert "generated in fp32" in card and "mixed precision no" in card
     draft = load_draft(str(out))
     net = draft.bind(tiny_target)
     assert net.token_ids is not None and len(net.token_ids) == 128
@@ -191,3 +192,15 @@ def test_generation_budget_is_kept_across_reruns(tmp_path: Path, tiny_target: Lo
     assert build(1e-6) == first  # a rerun sees the same data: the budget is cumulative
     everything = build(None)
     assert len(everything) > 2 and everything[:2] == first
+
+
+def test_data_can_be_generated_at_another_precision(tmp_path: Path) -> None:
+    cache = tmp_path / "cache"
+    meta = train(config(tmp_path / "a", cache, "train.max_steps=2"))
+    low = train(config(tmp_path / "b", cache, "train.max_steps=2", "data.dtype=bf16"))
+    assert meta["steps"] == low["steps"] == 2
+    # a second data set, keyed by the generator's precision, so neither run reads the other's tokens
+    assert len([p for p in cache.iterdir() if p.is_dir()]) == 2
+    assert low["data_dtype"] == "bf16" and "generated in bf16" in (tmp_path / "b" / "README.md").read_text()
+    with pytest.raises(SpecdecError, match="unknown data.dtype 'half'"):
+        train(config(tmp_path / "c", cache, "data.dtype=half"))
