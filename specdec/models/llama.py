@@ -198,7 +198,7 @@ class Llama(nn.Module):
         cache.advance(tokens.shape[1])
         h = self.norm(x)
         # A sliced (B, T', D) view is not contiguous when B > 1; torch would run it as a bmm against B
-        # expanded copies of the output head (seconds per batched prefill), so copy the rows instead.
+        # expanded copies of the output head (most of a batched prefill in a profile), so copy the rows instead.
         return self.lm_head(h[:, logits_from:].contiguous()), h
 
     def load_hf_state_dict(self, sd: dict[str, Tensor]) -> None:
