@@ -14,14 +14,14 @@ from typing import Any
 
 import torch
 
-from specdec.run import git_commit
+from specdec.run import cpu_name, git_commit
 
 CARD = "README.md"
 
 
 def machine() -> str:
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
-    return (f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPU cores, {gpu}; "
+    return (f"{cpu_name()}, {os.cpu_count()} CPU cores, {gpu}; "
             f"torch {torch.__version__}, Python {platform.python_version()}")
 
 

@@ -19,6 +19,7 @@ from specdec.data import default_suite
 from specdec.engine.engine import StaticEngine
 from specdec.errors import SpecdecError
 from specdec.models.loader import LoadedModel, load_model
+from specdec.run import cpu_name
 from specdec.strategies.base import GenerationParams
 from specdec.strategies.draft import DraftStrategy, FixedLength
 from specdec.strategies.greedy import Greedy
@@ -98,6 +99,7 @@ def test_short_training_lowers_loss_and_ships_a_usable_draft(tmp_path: Path, dat
     assert "# draft for tiny-llama" in card and "30 steps" in card and "python -m heads.train" in card
     assert f"last {meta['last_loss']:.4g}" in card
     assert "generated in fp32" in card and "mixed precision no" in card
+    assert f"- Machine: {cpu_name()}, " in card  # the CPU's name: speedups differ between the machines
     draft = load_draft(str(out))
     net = draft.bind(tiny_target)
     assert net.token_ids is not None and len(net.token_ids) == 128

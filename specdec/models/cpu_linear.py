@@ -85,7 +85,7 @@ def use_numba_linears(module: nn.Module) -> int:
         raise ImportError("model.matmul=numba needs the numba package: pip install numba")
     swapped = use_numpy_linears(module, NumbaLinear)
     # The kernels' multi-row layout is the CPU's choice: the first model to use them times both on its
-    # own matrices (under a second for SmolLM2-135M), every later one keeps that choice.
+    # own matrices, every later one keeps that choice.
     weights = [m.weight_np for m in module.modules() if isinstance(m, NumbaLinear)]
     if weights:
         cpu_kernels.pick_layout(weights)
