@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from heads.head_loss import head_loss
 from specdec.errors import SpecdecError
 from specdec.models.llama import Llama, LlamaArgs
 from specdec.models.loader import LoadedModel
@@ -268,8 +269,8 @@ class DraftTrainModule(nn.Module):
         self.head = nn.Parameter(head, requires_grad=False)  # (K, D)
 
     def forward(self, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
-        h = self.body(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
-        return F.linear(h, self.head)  # (B, T, K)
+        """(B, T, D) final-norm states; the loss applies the head (heads/head_loss.py)."""
+        return self.body(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
 
 
 def pick_vocab(data: Any, vocab_size: int, kept: int, always: list[int]) -> Tensor:
@@ -348,29 +349,24 @@ class DraftTrainable:
     def loss(self, module: nn.Module, batch: dict[str, Tensor],
              target_hidden: Tensor | None) -> tuple[Tensor, dict[str, float]]:
         assert self.to_kept is not None and self.kept_ids is not None
-        logits = module(batch["input_ids"], batch["attention_mask"]).float()  # (B, T, K)
+        h = module(batch["input_ids"], batch["attention_mask"])  # (B, T, D)
         labels = batch["labels"]
         valid = labels >= 0
         small = self.to_kept.to(labels.device)[labels.clamp_min(0)]
-        small = torch.where(valid & (small >= 0), small, torch.full_like(small, -100))  # unkept tokens: unlearnable
-        scored = small >= 0
+        scored = valid & (small >= 0)  # tokens outside the kept rows are unlearnable
         if not scored.any():  # nothing learnable in this batch (prompts only): a zero that keeps the graph
-            return logits.sum() * 0.0, {"ce": 0.0, "acc": 0.0, "coverage": 0.0}
-        ce = F.cross_entropy(logits.flatten(0, 1), small.flatten(), ignore_index=-100)
-        logs = {"ce": float(ce.detach())}
-        loss = ce
-        if self.kl_weight > 0 and target_hidden is not None:
-            # "all": the target's distribution is known at every prompt position too, which multiplies
-            # the distillation signal several times over for the same generated data
-            at = scored if self.kl_positions == "continuation" else batch["attention_mask"].bool()
-            p_log = F.log_softmax(F.linear(target_hidden[at].float(), self.head.to(target_hidden.device)), -1)
-            q_log = F.log_softmax(logits[at], -1)
-            kl = F.kl_div(q_log, p_log, log_target=True, reduction="batchmean")
-            loss = loss + self.kl_weight * kl
-            logs["kl"] = float(kl.detach())
-        with torch.no_grad():
-            logs["acc"] = float((logits.argmax(-1)[scored] == small[scored]).float().mean())
-            logs["coverage"] = float(scored.sum() / valid.sum().clamp_min(1))
+            return h.sum() * 0.0, {"ce": 0.0, "acc": 0.0, "coverage": 0.0}
+        use_kl = self.kl_weight > 0 and target_hidden is not None
+        # "all": the target's distribution is known at every prompt position too, which multiplies the
+        # distillation signal several times over for the same generated data
+        at = scored if self.kl_positions == "continuation" else batch["attention_mask"].bool()
+        ce, kl, correct = head_loss(h.flatten(0, 1), self.head.to(h.device), small.flatten(),
+                                    target_hidden.flatten(0, 1).to(h.device) if use_kl else None,
+                                    scored.flatten(), at.flatten())
+        loss = ce + self.kl_weight * kl if use_kl else ce
+        logs = {"ce": float(ce.detach())} | ({"kl": float(kl.detach())} if use_kl else {})
+        logs["acc"] = float(correct[0] / scored.sum())
+        logs["coverage"] = float(scored.sum() / valid.sum().clamp_min(1))
         return loss, logs
 
     def save(self, module: nn.Module, out_dir: Path, meta: dict[str, Any]) -> None:

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from heads.head_loss import head_loss
 from heads.medusa import MedusaHeads, kept_vocab, new_config, output_weight
 from specdec.models.loader import LoadedModel
 
@@ -54,28 +55,39 @@ class MedusaLoss(nn.Module):
             valid = full != -100
             feats = x[:, :max(T - k - 1, 0), k][valid]  # (n, dim)
             target = heads.to_head[full[valid]]  # (n,) rows of the kept vocabulary, -100 if dropped
-            logits = heads.head_logits(feats, k)  # (n, V')
             kept = target != -100
+            n = max(len(target), 1)
             if kept.any():
-                loss = F.cross_entropy(logits[kept], target[kept])
+                loss, hits = self._ce(feats[kept], target[kept], k)
             else:  # keep every parameter in the graph: distributed training expects a gradient for each
-                loss = x[..., k, :].sum() * 0
+                loss, hits = x[..., k, :].sum() * 0, torch.zeros(2, device=x.device)
             if prompt_weight > 0 and input_ids is not None and T > k + 2:
                 future = input_ids[:, k + 2:]  # (B, T - k - 2): token t + k + 2
                 prompt = (labels[:, k + 1:T - 1] == -100) & (future >= 0)  # not a continuation token
                 p_target = heads.to_head[future[prompt]]
                 p_kept = p_target != -100
                 if p_kept.any():
-                    p_logits = heads.head_logits(x[:, :T - k - 2, k][prompt][p_kept], k)
-                    loss = loss + prompt_weight * F.cross_entropy(p_logits, p_target[p_kept])
+                    p_loss, _ = self._ce(x[:, :T - k - 2, k][prompt][p_kept], p_target[p_kept], k)
+                    loss = loss + prompt_weight * p_loss
             ce.append(loss)
-            with torch.no_grad():
-                top = logits.topk(min(5, logits.shape[-1]), dim=-1).indices  # (n, 5)
-                hit = (top == target[:, None]) & kept[:, None]  # dropped tokens can never be hit
-                n = max(len(target), 1)
-                top1.append(hit[:, 0].sum() / n)
-                top5.append(hit.any(-1).sum() / n)
+            top1.append(hits[0] / n)  # dropped tokens count as misses
+            top5.append(hits[1] / n)
         return torch.stack(ce), torch.stack(top1), torch.stack(top5)
+
+    def _ce(self, feats: Tensor, rows: Tensor, k: int) -> tuple[Tensor, Tensor]:
+        """Head k's mean cross-entropy on (n, dim) features against kept-vocabulary rows (n,), and (2,)
+        top-1 and top-5 hit counts. The shared frozen projection goes through head_loss, which never
+        holds (n, V') logits (most of a CPU step); a trainable one needs them for its own gradient."""
+        heads = self.heads
+        if heads.proj.ndim == 2:
+            every = torch.ones_like(rows, dtype=torch.bool)
+            loss, _, hits = head_loss(feats, heads.proj, rows, None, every, None)
+            return loss, hits
+        logits = heads.head_logits(feats, k)  # (n, V')
+        with torch.no_grad():
+            top = logits.topk(min(5, logits.shape[-1]), dim=-1).indices  # (n, 5)
+            hits = torch.stack([(top[:, 0] == rows).sum(), (top == rows[:, None]).any(-1).sum()]).float()
+        return F.cross_entropy(logits, rows), hits
 
 
 class MedusaTrainable:

@@ -1,0 +1,94 @@
+"""Cross-entropy plus KL to the target through a frozen output head, without (rows, K) logits in memory.
+
+A drafter's training loss reads its hidden states through the target's frozen head (K kept rows):
+cross-entropy on the target's tokens and KL(target || drafter) on the target's own distribution. Written
+plainly, autograd keeps several (rows, K) tensors per step (logits, their fp32 copy, log-softmax, the
+target's probabilities): at 8 x 640 rows and K = 8192, 168 MB each. On CPU each of those is a fresh
+mmap that page-faults in on first touch, so the element-wise passes over them ran ~6x slower than on
+reused memory and took most of a training step. Here the rows go through in chunks of a few MB, and the
+backward pass recomputes a chunk's logits instead of storing them (as fused linear-cross-entropy
+kernels do), so only (rows, D) tensors live between the passes.
+
+For a row r with weights c_r (cross-entropy) and k_r (KL), the gradient of the loss with respect to its
+logits is (c_r + k_r) softmax(z_r) - c_r onehot(y_r) - k_r p_r, since p_r sums to one.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+CHUNK_ELEMENTS = 1 << 21  # logits per chunk: 8 MB in fp32, well inside malloc's reused heap
+
+
+class _HeadLoss(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, h: Tensor, head: Tensor, labels: Tensor, target_h: Tensor | None, ce_w: Tensor,  # type: ignore[override]
+                kl_w: Tensor, dtype: torch.dtype, top: int) -> tuple[Tensor, Tensor, Tensor]:
+        # h (N, D) drafter states; head (K, D) frozen; labels (N,) kept-row ids, -100 where unscored;
+        # target_h (N, D) the target's states or None; ce_w, kl_w (N,) per-row weights of the two terms
+        soft = torch.promote_types(dtype, torch.float32)  # soft-maxes never below fp32
+        ce, kl = (h.new_zeros((), dtype=soft) for _ in range(2))
+        hits = h.new_zeros(2, dtype=soft)  # scored rows whose label is the top token, or among the top `top`
+        w = head.to(dtype)
+        for s, e in _chunks(h.shape[0], head.shape[0]):
+            log_q = F.log_softmax(F.linear(h[s:e].to(dtype), w).to(soft), -1)  # (n, K)
+            lab = labels[s:e]
+            scored = lab >= 0
+            picked = log_q.gather(1, lab.clamp_min(0)[:, None]).squeeze(1)  # (n,)
+            ce -= (picked * ce_w[s:e]).sum()
+            ranked = log_q.topk(min(top, log_q.shape[-1]), -1).indices  # (n, top)
+            hits[0] += ((ranked[:, 0] == lab) & scored).sum()
+            hits[1] += ((ranked == lab[:, None]).any(-1) & scored).sum()
+            if target_h is not None:
+                log_p = F.log_softmax(F.linear(target_h[s:e].to(dtype), w).to(soft), -1)  # (n, K)
+                kl += ((log_p.exp() * (log_p - log_q)).sum(-1) * kl_w[s:e]).sum()
+        ctx.dtype, ctx.soft = dtype, soft
+        ctx.save_for_backward(h, head, labels, target_h, ce_w, kl_w)
+        ctx.mark_non_differentiable(hits)
+        return ce, kl, hits
+
+    @staticmethod
+    def backward(ctx, g_ce: Tensor, g_kl: Tensor, _: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+        h, head, labels, target_h, ce_w, kl_w = ctx.saved_tensors
+        w = head.to(ctx.dtype)
+        grad_h = torch.empty_like(h)
+        for s, e in _chunks(h.shape[0], head.shape[0]):
+            c, k = ce_w[s:e] * g_ce, kl_w[s:e] * g_kl  # (n,)
+            grad = F.softmax(F.linear(h[s:e].to(ctx.dtype), w).to(ctx.soft), -1).mul_((c + k)[:, None])  # (n, K)
+            lab = labels[s:e]
+            rows = (lab >= 0).nonzero().squeeze(1)
+            grad[rows, lab[rows]] -= c[rows]
+            if target_h is not None:
+                p = F.softmax(F.linear(target_h[s:e].to(ctx.dtype), w).to(ctx.soft), -1)
+                grad -= p.mul_(k[:, None])
+            grad_h[s:e] = (grad.to(ctx.dtype) @ w).to(h.dtype)  # (n, D)
+        return grad_h, None, None, None, None, None, None, None
+
+
+def _chunks(rows: int, width: int) -> list[tuple[int, int]]:
+    step = max(1, CHUNK_ELEMENTS // max(1, width))
+    return [(s, min(rows, s + step)) for s in range(0, rows, step)]
+
+
+def head_loss(h: Tensor, head: Tensor, labels: Tensor, target_h: Tensor | None, ce_rows: Tensor,
+              kl_rows: Tensor | None, top: int = 5) -> tuple[Tensor, Tensor, Tensor]:
+    """Mean cross-entropy over `ce_rows`, mean KL(target || drafter) over `kl_rows` (zero without
+    `target_h`), and (2,) how many `ce_rows` have their label as the drafter's top token and among
+    its `top` tokens.
+
+    h, target_h (N, D); head (K, D), frozen; labels (N,) in 0..K-1 (any value where ce_rows is False);
+    ce_rows, kl_rows (N,) bool. Matmuls run in the autocast dtype when autocast is on (as F.linear would),
+    soft-maxes in fp32.
+    """
+    device = h.device.type
+    dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else h.dtype
+    labels = torch.where(ce_rows, labels, torch.full_like(labels, -100))
+    ce_w = ce_rows.float() / ce_rows.sum().clamp_min(1)
+    kl_w = torch.zeros_like(ce_w)
+    if kl_rows is not None and target_h is not None:
+        kl_w = kl_rows.float() / kl_rows.sum().clamp_min(1)
+    with torch.autocast(device, enabled=False):
+        return _HeadLoss.apply(h, head.detach(), labels, None if target_h is None else target_h.detach(),
+                               ce_w, kl_w, dtype, top)
