@@ -261,12 +261,12 @@ def load_draft(path: str) -> DraftCheckpoint:
 
 
 class DraftTrainModule(nn.Module):
-    """The trainable draft: transformers decoder layers between the frozen embedding and reduced head."""
+    """The trainable draft: transformers decoder layers on the frozen embedding; the frozen reduced head
+    is the trainable's (`DraftTrainable.head`), applied by the loss."""
 
-    def __init__(self, body: nn.Module, head: Tensor) -> None:
+    def __init__(self, body: nn.Module) -> None:
         super().__init__()
         self.body = body  # a transformers base model (LlamaModel, Qwen2Model...) with `layers` layers
-        self.head = nn.Parameter(head, requires_grad=False)  # (K, D)
 
     def forward(self, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
         """(B, T, D) final-norm states; the loss applies the head (heads/head_loss.py)."""
@@ -344,7 +344,7 @@ class DraftTrainable:
                 raise SpecdecError(f"target layers {source} do not fit the draft (missing {missing[:2]}, unexpected "
                                    f"{unexpected[:2]}); set head.init_layers=null to start from random weights")
         self.head = target_head(target).detach().float()[self.kept_ids.to(embed.device)].clone()  # (K, D)
-        return DraftTrainModule(body, self.head)
+        return DraftTrainModule(body)
 
     def loss(self, module: nn.Module, batch: dict[str, Tensor],
              target_hidden: Tensor | None) -> tuple[Tensor, dict[str, float]]:
@@ -360,7 +360,10 @@ class DraftTrainable:
         # "all": the target's distribution is known at every prompt position too, which multiplies the
         # distillation signal several times over for the same generated data
         at = scored if self.kl_positions == "continuation" else batch["attention_mask"].bool()
-        ce, kl, correct = head_loss(h.flatten(0, 1), self.head.to(h.device), small.flatten(),
+        assert self.head is not None
+        if self.head.device != h.device:  # once: follow the states onto the device accelerate chose
+            self.head = self.head.to(h.device)
+        ce, kl, correct = head_loss(h.flatten(0, 1), self.head, small.flatten(),
                                     target_hidden.flatten(0, 1).to(h.device) if use_kl else None,
                                     scored.flatten(), at.flatten())
         loss = ce + self.kl_weight * kl if use_kl else ce
