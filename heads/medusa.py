@@ -121,7 +121,7 @@ class MedusaHeads(nn.Module):
             self.proj = nn.Parameter(w[None].repeat(cfg.num_heads, 1, 1))  # (K, V', dim)
         else:
             self.register_buffer("proj", w, persistent=False)  # (V', dim), frozen, not saved
-        self.proj_np: np.ndarray | None = None  # set by `use_cpu_kernels`
+        self.proj_panels: np.ndarray | None = None  # set by `use_cpu_kernels`
 
     def use_cpu_kernels(self) -> None:
         """Run the shared projection at inference through specdec's few-row CPU kernels, as the target does.
@@ -130,7 +130,7 @@ class MedusaHeads(nn.Module):
         projection streams the whole kept-vocabulary matrix each step for a handful of rows.
         """
         if self.proj.ndim == 2 and self.proj.device.type == "cpu" and cpu_kernels.available():
-            self.proj_np = self.proj.contiguous().numpy()
+            self.proj_panels = cpu_kernels.pack(self.proj.contiguous().numpy())
 
     @property
     def num_heads(self) -> int:
@@ -159,8 +159,8 @@ class MedusaHeads(nn.Module):
         x = torch.stack([blocks(hidden.float()) for blocks in self.blocks[:d]])  # (d, dim)
         if self.proj.ndim == 3:
             logits = torch.bmm(self.proj[:d], x[:, :, None])[..., 0]  # (d, V')
-        elif self.proj_np is not None:
-            logits = torch.from_numpy(cpu_kernels.matmul_wt(np.ascontiguousarray(x.numpy()), self.proj_np))
+        elif self.proj_panels is not None:
+            logits = torch.from_numpy(cpu_kernels.matmul(x.numpy(), self.proj_panels, self.proj.shape[0]))
         else:
             # W @ x^T streams W once as a GEMV-like product; x @ W^T ran about 2x slower on CPU
             logits = (self.proj @ x.t()).t()  # (K, V')

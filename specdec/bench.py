@@ -138,7 +138,7 @@ def bench(cfg: DictConfig) -> dict[str, Any]:
     return {
         "model": target.name, "dtype": str(target.dtype).removeprefix("torch."),
         "matmul": target.matmul, "threads": torch.get_num_threads(), "cpu": cpu_name(),
-        "kernel_layout": cpu_kernels.layout() if target.matmul == "numba" else None,
+        "kernels": cpu_kernels.describe() if target.matmul == "numba" else None,
         "memory_bandwidth_gb_per_s": bandwidth, "weight_bytes": nbytes,
         "bandwidth_bound_ms_per_token": nbytes / bandwidth / 1e6,
         "greedy_vs_hf": speed,
@@ -151,7 +151,8 @@ def bench(cfg: DictConfig) -> dict[str, Any]:
 
 
 def to_markdown(r: dict[str, Any]) -> str:
-    layout = f", kernel layout {r['kernel_layout']}" if r.get("kernel_layout") else ""
+    layout = f", kernel layout {r['kernel_layout']}" if r.get("kernel_layout") else ""  # records before the tiles
+    layout += f", kernels {r['kernels']}" if r.get("kernels") else ""
     lines = [f"# specdec.bench: {r['model']} ({r['dtype']}, matmul {r['matmul']}{layout}, {r['threads']} threads)", "",
              f"`{r['command']}` on {r['date']}" + (f", {r['cpu']}" if r.get("cpu") else ""), "",
              f"- memory read bandwidth {r['memory_bandwidth_gb_per_s']:.1f} GB/s; weights read per step "

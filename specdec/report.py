@@ -38,7 +38,7 @@ _ENV_ROWS = (
     ("warmup", "warmup"), ("repeats", "repeats"), ("torch", "environment.torch"),
     ("python", "environment.python"), ("threads", "environment.threads"), ("cpu", "environment.cpu"),
     ("cpu count", "environment.cpu_count"), ("matmul", "environment.matmul"),
-    ("kernel layout", "environment.kernel_layout"),
+    ("kernel layout", "environment.kernel_layout"), ("kernels", "environment.kernels"),
     ("cuda", "environment.cuda"), ("platform", "environment.platform"), ("date", "environment.date"),
     ("commit", "environment.commit"),
 )

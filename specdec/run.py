@@ -295,7 +295,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     if target.matmul == "numba":
         from specdec.models import cpu_kernels
 
-        config["environment"]["kernel_layout"] = cpu_kernels.layout()
+        config["environment"]["kernels"] = cpu_kernels.describe()
     # the exact command, so every committed table names what reproduces it
     from hydra.core.hydra_config import HydraConfig
 

@@ -94,7 +94,7 @@ def test_run_writes_the_contract(greedy_vs_hf: tuple[Path, dict[str, Any], DictC
     if env["matmul"] == "numba":
         from specdec.models import cpu_kernels
 
-        assert env["kernel_layout"] in cpu_kernels.LAYOUTS
+        assert env["kernels"] == cpu_kernels.describe()
 
 
 def test_results_pass_the_shared_checker(greedy_vs_hf: tuple[Path, dict[str, Any], DictConfig]) -> None:

@@ -97,7 +97,7 @@ def test_topk_runs_only_the_heads_asked_for(tiny_target: LoadedModel, projection
     assert torch.equal(heads.topk(h, 4), want)
     assert torch.equal(heads.topk(h, 4, depth=2), want[:2])
     heads.use_cpu_kernels()  # the target's few-row CPU kernels for the shared projection (a no-op for "own")
-    assert (heads.proj_np is not None) == (projection == "shared" and cpu_kernels.available())
+    assert (heads.proj_panels is not None) == (projection == "shared" and cpu_kernels.available())
     assert torch.equal(heads.topk(h, 4, depth=1), want[:1])
 
 

@@ -86,67 +86,61 @@ def test_cpu_matmuls_match_torch(load_tiny: Callable[..., LoadedModel], matmul: 
     torch.testing.assert_close(a, b, atol=ATOL, rtol=1e-4)
 
 
-@pytest.fixture(params=cpu_kernels.LAYOUTS if cpu_kernels.available() else [None])
-def kernel_layout(request: pytest.FixtureRequest) -> Any:
-    """Run the test under each of the numba kernels' multi-row layouts (the CPU picks one at load)."""
-    before = cpu_kernels._layout
-    if request.param is not None:
-        cpu_kernels.set_layout(request.param)
-    yield request.param
-    cpu_kernels._layout = before
+needs_numba = pytest.mark.skipif(not cpu_kernels.available(), reason="needs numba")
 
 
-@pytest.mark.parametrize("n_out", [48, 53])  # a multiple of the kernels' tiles, and one with a ragged tail
-@pytest.mark.parametrize("n_in", [40, 576])  # a short vector loop with a tail, and SmolLM2's width
-def test_numba_kernels_are_batch_invariant(n_out: int, n_in: int, kernel_layout: str) -> None:
-    """Each row's product is bitwise the same whatever rows share the call (1..MAX_ROWS rows, every
-    kernel, BLAS above MAX_ROWS aside), and equals x @ W^T to rounding."""
+@needs_numba
+@pytest.mark.parametrize("n_out", [64, 53])  # whole panels, and a ragged last panel
+@pytest.mark.parametrize("n_in", [40, 576])  # a short k loop, and SmolLM2's width
+def test_numba_kernels_are_batch_invariant(n_out: int, n_in: int) -> None:
+    """Each row's product is bitwise the same whatever rows share the call (1..MAX_ROWS rows: one tile,
+    several tiles per panel), and equals x @ W^T to rounding."""
     rng = np.random.default_rng(0)
     w = rng.standard_normal((n_out, n_in), dtype=np.float32)
+    panels = cpu_kernels.pack(w)
     x = rng.standard_normal((cpu_kernels.MAX_ROWS, n_in), dtype=np.float32)
-    full = cpu_kernels.matmul_wt(x, w)
+    full = cpu_kernels.matmul_wt(x, w, panels)
+    assert full.shape == (cpu_kernels.MAX_ROWS, n_out)
     np.testing.assert_allclose(full, x @ w.T, rtol=1e-4, atol=1e-4)
+    assert cpu_kernels.matmul_wt(x[:0], w, panels).shape == (0, n_out)  # an empty pass writes nothing
     for rows in range(1, cpu_kernels.MAX_ROWS):
-        assert np.array_equal(cpu_kernels.matmul_wt(np.ascontiguousarray(x[:rows]), w), full[:rows]), rows
+        for first in {0, cpu_kernels.MAX_ROWS - rows}:  # leading rows and trailing rows
+            part = np.ascontiguousarray(x[first:first + rows])
+            assert np.array_equal(cpu_kernels.matmul_wt(part, w, panels), full[first:first + rows]), (rows, first)
 
 
-@pytest.mark.skipif(not cpu_kernels.available(), reason="needs numba")
-def test_kernel_layouts_agree_bitwise_and_the_pick_sticks() -> None:
-    """Which layout the CPU picks changes speed only: both give bitwise the same products. pick_layout
-    returns one of them, and later calls keep it."""
-    rng = np.random.default_rng(1)
-    ws = [rng.standard_normal((n, 576), dtype=np.float32) for n in (53, 96)]
-    x = rng.standard_normal((7, 576), dtype=np.float32)
-    before = cpu_kernels._layout
-    try:
-        outs = {}
-        for name in cpu_kernels.LAYOUTS:
-            cpu_kernels.set_layout(name)
-            outs[name] = [cpu_kernels.matmul_wt(x, w) for w in ws]
-        for a, b in zip(*outs.values()):
-            assert np.array_equal(a, b)
-        cpu_kernels._layout = None
-        picked = cpu_kernels.pick_layout(ws, reps=1)
-        assert picked in cpu_kernels.LAYOUTS and cpu_kernels.layout() == picked
-        other = next(n for n in cpu_kernels.LAYOUTS if n != picked)
-        cpu_kernels.set_layout(other)
-        assert cpu_kernels.pick_layout(ws) == other  # chosen once per process
-        with pytest.raises(ValueError, match="unknown kernel layout"):
-            cpu_kernels.set_layout("tiles")
-    finally:
-        cpu_kernels._layout = before
+@needs_numba
+@pytest.mark.parametrize("isa", [(8, 2, 4, "haswell", "+avx,+avx2,+fma"), (4, 4, 3, "x86-64", "")], ids=["avx2", "sse"])
+def test_kernels_for_other_cpus_give_bitwise_the_same_products(isa: tuple[int, int, int, str, str]) -> None:
+    """The kernels for narrower vectors (other CPUs) run the same in-order fma chain per output, so their
+    products equal this CPU's bitwise: results do not depend on which machine verified a draft."""
+    import platform
+
+    if platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("x86 targets")
+    other = cpu_kernels.kernels(cpu_kernels.Isa(*isa))
+    assert other.isa != cpu_kernels.kernels().isa
+    rng = np.random.default_rng(3)
+    w = rng.standard_normal((53, 576), dtype=np.float32)
+    for rows in (1, 3, 6, 13):
+        x = rng.standard_normal((rows, 576), dtype=np.float32)
+        mine = cpu_kernels.matmul(x, cpu_kernels.pack(w), 53)
+        theirs = cpu_kernels.matmul(x, cpu_kernels.pack(w, panel=other.isa.panel), 53, tiles=other.addresses)
+        assert np.array_equal(mine, theirs), rows
 
 
-@pytest.mark.skipif(not cpu_kernels.available(), reason="needs numba")
-def test_kernel_layout_can_be_pinned(monkeypatch: pytest.MonkeyPatch) -> None:
-    w = np.ones((8, 16), dtype=np.float32)
-    monkeypatch.setattr(cpu_kernels, "_layout", None)
-    monkeypatch.setenv("SPECDEC_KERNEL_LAYOUT", "each")
-    assert cpu_kernels.pick_layout([w]) == "each" == cpu_kernels.layout()
-    monkeypatch.setattr(cpu_kernels, "_layout", None)
-    monkeypatch.setenv("SPECDEC_KERNEL_LAYOUT", "tiles")
-    with pytest.raises(SpecdecError, match="SPECDEC_KERNEL_LAYOUT='tiles' is not a kernel layout"):
-        cpu_kernels.pick_layout([w])
+@needs_numba
+def test_kernels_use_the_cpus_vectors() -> None:
+    """The tile kernels compile to packed fused multiply-adds of this CPU's widest vectors (a scalar
+    fallback would still pass the tests above, at a fraction of the speed)."""
+    k = cpu_kernels.kernels()
+    reg = {16: "zmm", 8: "ymm", 4: "xmm"}[k.isa.width]
+    import platform
+
+    if platform.machine() in ("x86_64", "AMD64"):
+        assert f"vfmadd231ps\t%{reg}" in k.assembly or f"vfmadd231ps %{reg}" in k.assembly
+    assert k.isa.panel == k.isa.width * k.isa.vectors and len(k.addresses) == k.isa.rows
+    assert cpu_kernels.describe().startswith(f"tiles up to {k.isa.rows}x{k.isa.panel}, f32x{k.isa.width}")
 
 
 def test_hf_engine_matches_static_engine(load_tiny: Callable[..., LoadedModel]) -> None:
@@ -199,8 +193,7 @@ def test_unsupported_architecture_is_refused() -> None:
 
 
 @pytest.mark.parametrize("model_type", ["llama", "qwen2"])  # qwen2: q/k/v biases
-def test_fused_cpu_layers_match_torch(load_tiny: Callable[..., LoadedModel], model_type: str,
-                                      kernel_layout: str) -> None:
+def test_fused_cpu_layers_match_torch(load_tiny: Callable[..., LoadedModel], model_type: str) -> None:
     """matmul=numba runs passes of up to MAX_ROWS tokens through cpu_layer.layer_forward: after the same
     prefill, single tokens, odd and even chains and a token tree give the torch model's logits and
     leave the same K/V in the cache."""
@@ -223,7 +216,7 @@ def test_fused_cpu_layers_match_torch(load_tiny: Callable[..., LoadedModel], mod
         torch.testing.assert_close(b, a, atol=ATOL, rtol=1e-4)
 
 
-def test_fused_cpu_pass_is_batch_invariant(load_tiny: Callable[..., LoadedModel], kernel_layout: str) -> None:
+def test_fused_cpu_pass_is_batch_invariant(load_tiny: Callable[..., LoadedModel]) -> None:
     """With matmul=numba a pass over several chained tokens gives bitwise the logits that one-token
     steps give, so speculative verification decides on exactly the numbers greedy decoding sees."""
     model = load_tiny("llama", matmul="numba").model
@@ -235,8 +228,7 @@ def test_fused_cpu_pass_is_batch_invariant(load_tiny: Callable[..., LoadedModel]
     assert torch.equal(many.forward(torch.tensor(ids[12:])).logits, steps)
 
 
-def test_fused_cpu_tree_nodes_equal_their_paths_bitwise(load_tiny: Callable[..., LoadedModel],
-                                                        kernel_layout: str) -> None:
+def test_fused_cpu_tree_nodes_equal_their_paths_bitwise(load_tiny: Callable[..., LoadedModel]) -> None:
     """With matmul=numba each node of a token tree gets bitwise the logits that decoding its path one
     token at a time gives (masked slots add exact zeros; every kernel sums in the same shape), so
     Medusa and lookahead verify on exactly the numbers greedy decoding sees."""

@@ -1,26 +1,33 @@
-"""Numba kernels for y = x @ W^T with few rows of x (decode steps, drafts, token trees) on CPU.
+"""CPU kernels for y = x @ W^T with few rows of x (decode steps, drafts, token trees), and a fast exp.
 
 Why not BLAS: OpenBLAS and MKL are tuned for large GEMMs. For 2 to 8 rows they pack the weight
-matrix before multiplying, so a verification pass over a few tokens streams the weights about twice
-and costs 1.6-1.9x a one-token step, which eats most of what speculation saves. These kernels read
-each weight row once, straight from its (out, in) row-major storage, and reuse it from L1 for every
-row of x. Measured on an AMD EPYC of this project's 2-core machines (SmolLM2-135M's 120 layer
-matrices, 0.45 GB, interleaved repeats): one row 18-19 ms (OpenBLAS GEMV 22 ms), 4 rows 19-23 ms
-(OpenBLAS 48), 8 rows 28-33 ms (OpenBLAS 38), 16 rows 48-60 ms (OpenBLAS 61). Two layouts serve
-several rows and the CPU decides between them at load (`pick_layout`).
+matrix on every call, so a verification pass over a few tokens streams the weights about twice and
+costs 1.6-1.9x a one-token step, which eats most of what speculation saves.
 
-Each output element is one dot product over `in` computed by the same four-sum loop whatever the
-number of rows and the layout, so a row's result does not depend on which other rows share the call.
+Here W is packed once, at load, into panels: panel p holds output columns p*NB..p*NB+NB-1 as a
+(K, NB) row-major block, so one pass over a panel streams contiguous memory. A small kernel written in
+LLVM IR (compiled for this CPU by llvmlite, which numba already needs) keeps a tile of up to 4 rows x NB
+outputs in vector registers: each step over k loads NB weights once, broadcasts x[m, k] and does one
+fused multiply-add per row, and prefetches the panel a few KB ahead so that the extra rows' arithmetic
+hides under the weight stream instead of adding to it. Earlier kernels (a dot product per output,
+numba-vectorised over k) made a 4-token pass cost 1.07x (AMD EPYC) to 1.29x (Intel Xeon) a one-token
+pass; `python -m specdec.bench` gives the current curve.
+
+Exactness: every output is the chain y = fma(x[m, k], W[n, k], y) for k = 0, 1, ... in order, in every
+kernel, whatever the number of rows, the vector width or the panel. So a row's result is bitwise the
+same whichever rows share the call (tests/test_model.py checks), which lossless speculation relies
+on: a token's logits do not depend on how many tokens share its pass.
 """
 
 from __future__ import annotations
 
-import os
-import time
+import functools
+from dataclasses import dataclass
 
 import numpy as np
 
 try:
+    import llvmlite.binding as llvm
     import numba
     from llvmlite import ir
     from numba import njit, prange, types
@@ -30,10 +37,122 @@ except ImportError:  # numba is a dependency, but a missing one only costs speed
 
 # Above this many rows BLAS's packed GEMM (compute-bound, prefill) is faster than these kernels.
 MAX_ROWS = 24
+PREFETCH_FLOATS = 1024  # how far ahead of the loads the panel is prefetched (4 KB; swept 256-4096 on a Xeon)
 
 
 def available() -> bool:
     return numba is not None
+
+
+@dataclass(frozen=True)
+class Isa:
+    """What the tile kernels are compiled for: `width` floats per vector, `vectors` per panel row (NB =
+    width x vectors output columns), tiles of up to `rows` rows of x, and the CPU to tune for."""
+
+    width: int
+    vectors: int
+    rows: int
+    cpu: str
+    features: str
+
+    @property
+    def panel(self) -> int:  # NB
+        return self.width * self.vectors
+
+
+@functools.cache
+def host_isa() -> Isa:
+    """This CPU's widest float vectors: 16 lanes with AVX-512, 8 with AVX, else 4; two per panel row.
+    A tile holds rows x 2 accumulators plus 2 weight vectors and a broadcast in registers: up to 8 rows
+    with 32 vector registers (AVX-512, NEON), 4 with AVX2's 16."""
+    features = llvm.get_host_cpu_features()
+    if features.get("avx512f"):
+        width, rows = 16, 8
+    elif features.get("avx"):
+        width, rows = 8, 4
+    else:
+        width, rows = 4, 8
+    return Isa(width, 2, rows, llvm.get_host_cpu_name(), features.flatten())
+
+
+def tile_ir(rows: int, isa: Isa) -> str:
+    """LLVM IR of `tile{rows}(x, ldx, panels, y, ldy, K, p0, p1)`: y[m, p*NB:(p+1)*NB] = x[m] @ panel p
+    for m < rows and panels p0..p1-1. The accumulators are SSA values, so LLVM keeps them in registers."""
+    W, V, NB = isa.width, isa.vectors, isa.panel
+    vt = f"<{W} x float>"
+    acc = [(m, j) for m in range(rows) for j in range(V)]
+    body = [
+        f"define void @tile{rows}(ptr noalias nocapture readonly %x, i64 %ldx, ptr noalias nocapture readonly %w,",
+        "                         ptr noalias nocapture %y, i64 %ldy, i64 %K, i64 %p0, i64 %p1) nounwind {",
+        "entry:",
+        "  %none = icmp sge i64 %p0, %p1",
+        "  br i1 %none, label %done, label %panel",
+        "panel:",
+        "  %p = phi i64 [ %p0, %entry ], [ %pnext, %store ]",
+        "  %pk = mul i64 %p, %K",
+        f"  %pbase = mul i64 %pk, {NB}",
+        "  br label %step",
+        "step:",
+        "  %k = phi i64 [ 0, %panel ], [ %knext, %step ]",
+        *[f"  %a{m}_{j} = phi {vt} [ zeroinitializer, %panel ], [ %b{m}_{j}, %step ]" for m, j in acc],
+        f"  %koff = mul i64 %k, {NB}",
+        "  %woff = add i64 %pbase, %koff",
+    ]
+    for j in range(V):
+        body += [f"  %wo{j} = add i64 %woff, {j * W}",
+                 f"  %wp{j} = getelementptr inbounds float, ptr %w, i64 %wo{j}",
+                 f"  %w{j} = load {vt}, ptr %wp{j}, align 4"]
+    for line in range(max(1, NB * 4 // 64)):  # one prefetch per 64-byte line of this step's loads, a few KB ahead
+        # (no inbounds: near the end this points past the panels, and a prefetch never faults)
+        body += [f"  %fo{line} = add i64 %woff, {PREFETCH_FLOATS + line * 16}",
+                 f"  %fp{line} = getelementptr float, ptr %w, i64 %fo{line}",
+                 f"  call void @llvm.prefetch.p0(ptr %fp{line}, i32 0, i32 3, i32 1)"]
+    for m in range(rows):
+        body += [f"  %xr{m} = mul i64 {m}, %ldx",
+                 f"  %xi{m} = add i64 %xr{m}, %k",
+                 f"  %xp{m} = getelementptr inbounds float, ptr %x, i64 %xi{m}",
+                 f"  %xs{m} = load float, ptr %xp{m}, align 4",
+                 f"  %xv{m} = insertelement {vt} poison, float %xs{m}, i32 0",
+                 f"  %x{m} = shufflevector {vt} %xv{m}, {vt} poison, <{W} x i32> zeroinitializer"]
+        body += [f"  %b{m}_{j} = call {vt} @llvm.fma.v{W}f32({vt} %x{m}, {vt} %w{j}, {vt} %a{m}_{j})" for j in range(V)]
+    body += ["  %knext = add i64 %k, 1",
+             "  %kend = icmp eq i64 %knext, %K",
+             "  br i1 %kend, label %store, label %step",
+             "store:",
+             f"  %col = mul i64 %p, {NB}"]
+    for m in range(rows):
+        body += [f"  %yr{m} = mul i64 {m}, %ldy", f"  %yb{m} = add i64 %yr{m}, %col"]
+        for j in range(V):
+            body += [f"  %yo{m}_{j} = add i64 %yb{m}, {j * W}",
+                     f"  %yp{m}_{j} = getelementptr inbounds float, ptr %y, i64 %yo{m}_{j}",
+                     f"  store {vt} %b{m}_{j}, ptr %yp{m}_{j}, align 4"]
+    body += ["  %pnext = add i64 %p, 1",
+             "  %pend = icmp eq i64 %pnext, %p1",
+             "  br i1 %pend, label %done, label %panel",
+             "done:",
+             "  ret void",
+             "}"]
+    return "\n".join(body)
+
+
+class TileKernels:
+    """The 1..isa.rows-row tile kernels compiled for `isa`; `addresses[r - 1]` is the r-row kernel."""
+
+    def __init__(self, isa: Isa) -> None:
+        W = isa.width
+        source = "\n".join([
+            "declare void @llvm.prefetch.p0(ptr, i32, i32, i32)",
+            f"declare <{W} x float> @llvm.fma.v{W}f32(<{W} x float>, <{W} x float>, <{W} x float>)",
+            *(tile_ir(r, isa) for r in range(1, isa.rows + 1))])
+        module = llvm.parse_assembly(source)
+        module.verify()
+        machine = llvm.Target.from_default_triple().create_target_machine(cpu=isa.cpu, features=isa.features, opt=3)
+        self.isa = isa
+        self._engine = llvm.create_mcjit_compiler(module, machine)  # owns the code: keep it alive
+        self._engine.finalize_object()
+        self.addresses = np.array([self._engine.get_function_address(f"tile{r}")
+                                   for r in range(1, isa.rows + 1)], dtype=np.int64)
+        self.assembly = machine.emit_assembly(module)
 
 
 if numba is not None:
@@ -61,135 +180,83 @@ if numba is not None:
             f32(1.0 / 120) + r * (f32(1.0 / 720) + r * f32(1.0 / 5040)))))))
         return p * _f32_from_bits((np.int32(n) + np.int32(127)) << np.int32(23))
 
-    # Every kernel below keeps exactly four sums in its inner loop. LLVM shapes a vectorised dot product
-    # (how many vector accumulators, how the tail is added) by the kernel's register pressure, and the
-    # shape decides the rounding: with four sums in every kernel, a row's dot products come out bitwise
-    # the same whichever kernel computes them (tests/test_model.py checks), so a token's logits do not
-    # depend on how many tokens share its pass, which lossless speculation relies on.
+    @intrinsic
+    def _call_tile(typingctx, fn, x, ldx, w, y, ldy, k, p0, p1):  # pragma: no cover - compiled
+        # A call through the kernel's address, passed in at run time: numba's on-disk cache then stays
+        # valid across processes, where the JIT puts the kernels at new addresses.
+        def codegen(context, builder, signature, args):
+            i64, ptr = ir.IntType(64), ir.IntType(8).as_pointer()
+            fnty = ir.FunctionType(ir.VoidType(), [ptr, i64, ptr, ptr, i64, i64, i64, i64])
+            target = builder.inttoptr(args[0], fnty.as_pointer())
+            builder.call(target, [builder.inttoptr(args[1], ptr), args[2], builder.inttoptr(args[3], ptr),
+                                  builder.inttoptr(args[4], ptr), args[5], args[6], args[7], args[8]])
+            return context.get_dummy_value()
+        return types.void(*([types.int64] * 9)), codegen
 
-    @njit(parallel=True, fastmath=True, cache=True)
-    def _rows_each(x, w, y):  # pragma: no cover - compiled
-        # Any number of rows. Weight rows four at a time (a ragged last block repeats row N - 1: the
-        # compiler cannot know that, so it keeps four sums, and the block writes only the rows it owns);
-        # each row of x passes over the block in turn, the first pass streaming it from memory and the
-        # others reading it from L1. A one-row call runs the same loop.
+    @njit(parallel=True, cache=True)
+    def mm_into(x, panels, y, tiles):  # pragma: no cover - compiled
+        """y[:, :P NB] = x (M, K) @ W^T for W packed as panels (P, K, NB) by `pack`; x and y rows
+        contiguous, y at least P NB wide (the padded columns get products with zero weights)."""
         M, K = x.shape
-        N = w.shape[0]
-        last = N - 1
-        for b in prange((N + 3) // 4):
-            n = b * 4
-            n1, n2, n3 = min(n + 1, last), min(n + 2, last), min(n + 3, last)
-            for m in range(M):
-                a0 = f32(0.0); a1 = f32(0.0); a2 = f32(0.0); a3 = f32(0.0)  # noqa: E702
-                for k in range(K):
-                    v = x[m, k]
-                    a0 += v * w[n, k]; a1 += v * w[n1, k]; a2 += v * w[n2, k]; a3 += v * w[n3, k]  # noqa: E702
-                y[m, n] = a0
-                if n + 3 < N:
-                    y[m, n1] = a1; y[m, n2] = a2; y[m, n3] = a3  # noqa: E702
-                elif n + 2 < N:
-                    y[m, n1] = a1; y[m, n2] = a2  # noqa: E702
-                elif n + 1 < N:
-                    y[m, n1] = a1
+        P = panels.shape[0]
+        xa, wa, ya = np.int64(x.ctypes.data), np.int64(panels.ctypes.data), np.int64(y.ctypes.data)
+        ldx, ldy = np.int64(x.strides[0] // 4), np.int64(y.strides[0] // 4)
+        T = tiles.shape[0]  # rows per tile
+        if M == 0:  # an empty pass (and `prange(P if M else 0)` made numba's loop run ~2x slower)
+            return
+        for p in prange(P):  # numba gives each thread a contiguous run of panels
+            if M <= T:  # one tile streams the panel once
+                _call_tile(tiles[min(M, T) - 1], xa, ldx, wa, ya, ldy, K, p, p + 1)  # min: parfors hoist this read
+            else:  # the first tile streams the panel from memory, the others find it in cache
+                for m0 in range(0, M, T):
+                    r = min(T, M - m0)
+                    _call_tile(tiles[r - 1], xa + 4 * m0 * ldx, ldx, wa, ya + 4 * m0 * ldy, ldy, K, p, p + 1)
 
-    @njit(parallel=True, fastmath=True, cache=True)
-    def _rows_shared(x, w, y):  # pragma: no cover - compiled
-        # M a multiple of 4. Each block of four weight rows is streamed once; every group of four rows
-        # of x then passes over it in L1, one weight row at a time, so each weight element loaded serves
-        # four rows of x.
-        M, K = x.shape
-        N = w.shape[0]
-        for b in prange((N + 3) // 4):
-            for m in range(0, M, 4):
-                for n in range(b * 4, min(b * 4 + 4, N)):
-                    a0 = f32(0.0); a1 = f32(0.0); a2 = f32(0.0); a3 = f32(0.0)  # noqa: E702
-                    for k in range(K):
-                        v = w[n, k]
-                        a0 += x[m, k] * v; a1 += x[m + 1, k] * v; a2 += x[m + 2, k] * v; a3 += x[m + 3, k] * v  # noqa: E702
-                    y[m, n] = a0; y[m + 1, n] = a1; y[m + 2, n] = a2; y[m + 3, n] = a3  # noqa: E702
-
-    @njit(fastmath=True, cache=True)
-    def mm_into(x, w, y, shared):  # pragma: no cover - compiled
-        """y (M, N) = x (M, K) @ w (N, K)^T. `shared` (see `pick_layout`): M must be 1 or a multiple
-        of 4 (`kernel_rows`); otherwise any M."""
-        if x.shape[0] == 1 or not shared:
-            _rows_each(x, w, y)
-        elif x.shape[0] % 4:
-            raise ValueError("the shared layout takes 1 or a multiple of 4 rows; pad with cpu_kernels.kernel_rows")
-        else:
-            _rows_shared(x, w, y)
+_compiled: dict[Isa, TileKernels] = {}
 
 
-# Which multi-row kernel runs: "shared" (each weight element loaded serves four rows of x; x padded to
-# a multiple of 4 rows) or "each" (each row of x runs the one-row loop over a block of weight rows held
-# in L1; no padding). Which is faster depends on the CPU, so `pick_layout` times both on the model's
-# own matrices. `python -m specdec.bench` on SmolLM2-135M: on an AMD EPYC (AVX2), with the shared layout,
-# a pass over 2 tokens cost 1.04x one token and over 4 1.07x (experiments/bench); on an Intel Xeon with
-# AVX-512, with each layout pinned, 2 tokens 1.39x shared against 1.15x each, 4 tokens 1.43x against
-# 1.29x (experiments/bench_intel_*).
-LAYOUTS = ("shared", "each")
-_layout: str | None = None
+def kernels(isa: Isa | None = None) -> TileKernels:
+    """The tile kernels for `isa` (default: this CPU), compiled on first use (a few tens of ms) and kept
+    for the life of the process: freeing an LLVM execution engine under running code crashed it."""
+    isa = isa or host_isa()
+    if isa not in _compiled:
+        _compiled[isa] = TileKernels(isa)
+    return _compiled[isa]
 
 
-def layout() -> str:
-    """The multi-row kernel in use ("shared" until `pick_layout` or `set_layout` says otherwise)."""
-    return _layout or "shared"
+def describe() -> str:
+    """What runs the few-row products here, for run records, e.g.
+    "tiles up to 8x32, f32x16, sapphirerapids" (rows x columns of a register tile)."""
+    isa = kernels().isa
+    return f"tiles up to {isa.rows}x{isa.panel}, f32x{isa.width}, {isa.cpu}"
 
 
-def set_layout(name: str) -> None:
-    global _layout
-    if name not in LAYOUTS:
-        raise ValueError(f"unknown kernel layout {name!r}; use one of {LAYOUTS}")
-    _layout = name
+def pack(w: np.ndarray, panel: int | None = None) -> np.ndarray:
+    """(N, K) float32 -> (ceil(N / NB), K, NB) panels, zero-padded past N."""
+    nb = panel or kernels().isa.panel
+    n, k = w.shape
+    p = -(-n // nb)
+    padded = np.zeros((p * nb, k), dtype=np.float32)
+    padded[:n] = w
+    return np.ascontiguousarray(padded.reshape(p, nb, k).transpose(0, 2, 1))
 
 
-def kernel_rows(rows: int) -> int:
-    """Rows `mm_into` takes for `rows` rows of x under the current layout (zero rows added)."""
-    return rows if rows == 1 or layout() == "each" else (rows + 3) // 4 * 4
+def padded_width(panels: np.ndarray) -> int:
+    """Columns `mm_into` writes for these panels."""
+    return panels.shape[0] * panels.shape[2]
 
 
-def pick_layout(weights: list[np.ndarray], reps: int = 3) -> str:
-    """Time both layouts on `weights` (the model's own matrices) at 2, 3 and 4 rows, in interleaved
-    rounds, keep the faster in total and return its name. Once per process: the answer is the CPU's.
-    The environment variable SPECDEC_KERNEL_LAYOUT=shared|each skips the timing and uses that one."""
-    if _layout is not None:
-        return _layout
-    forced = os.environ.get("SPECDEC_KERNEL_LAYOUT")
-    if forced:  # to compare the layouts on one machine, or to pin one for a series of runs
-        if forced not in LAYOUTS:
-            from specdec.errors import SpecdecError
-
-            raise SpecdecError(f"SPECDEC_KERNEL_LAYOUT={forced!r} is not a kernel layout; use one of "
-                               f"{', '.join(LAYOUTS)}, or unset it to let the CPU pick")
-        set_layout(forced)
-        return forced
-    rng = np.random.default_rng(0)
-    xs = {(m, w.shape[1]): rng.standard_normal((m, w.shape[1])).astype(np.float32)
-          for m in (2, 3, 4) for w in weights}
-    totals = {name: [] for name in LAYOUTS}
-    for r in range(reps + 1):  # the first round compiles and warms up
-        for name in LAYOUTS:
-            set_layout(name)
-            start = time.perf_counter()
-            for m in (2, 3, 4):
-                for w in weights:
-                    matmul_wt(xs[m, w.shape[1]], w)
-            if r:
-                totals[name].append(time.perf_counter() - start)
-    best = min(LAYOUTS, key=lambda n: sorted(totals[n])[len(totals[n]) // 2])
-    set_layout(best)
-    return best
+def matmul(x: np.ndarray, panels: np.ndarray, n_out: int, tiles: np.ndarray | None = None) -> np.ndarray:
+    """x (M, K) float32 -> x @ W^T (M, n_out), W given as `pack(W)` panels. For M <= MAX_ROWS only."""
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    y = np.empty((x.shape[0], padded_width(panels)), dtype=np.float32)
+    mm_into(x, panels, y, kernels().addresses if tiles is None else tiles)
+    return y[:, :n_out]
 
 
-def matmul_wt(x: np.ndarray, w: np.ndarray) -> np.ndarray:
-    """x (M, K) float32 C-contiguous, w (N, K) float32 C-contiguous -> x @ w.T, (M, N)."""
-    rows = x.shape[0]
-    if rows > MAX_ROWS:
-        return x @ w.T  # BLAS GEMM with a transposed operand: no copy of w
-    shared = layout() == "shared"
-    pad = kernel_rows(rows) - rows
-    padded = np.concatenate([x, np.zeros((pad, x.shape[1]), dtype=np.float32)]) if pad else x
-    y = np.empty((padded.shape[0], w.shape[0]), dtype=np.float32)
-    mm_into(padded, w, y, shared)
-    return y[:rows]
+def matmul_wt(x: np.ndarray, w: np.ndarray, panels: np.ndarray) -> np.ndarray:
+    """x (M, K) @ w (N, K)^T: the tile kernels for up to MAX_ROWS rows, BLAS's GEMM above (prefill)."""
+    if x.shape[0] > MAX_ROWS:
+        return x @ w.T  # a transposed operand: no copy of w
+    return matmul(x, panels, w.shape[0])
 

@@ -145,34 +145,33 @@ if cpu_kernels.available():
 
     @njit(cache=True)
     def layer_forward(x, rope, keys, values, start, mask, use_mask, attn_norm, wqkv, bqkv, bo, wo,  # pragma: no cover
-                      mlp_norm, w_gate_up, w_down, eps, n_heads, n_kv, head_dim, hidden, shared):
+                      mlp_norm, w_gate_up, w_down, eps, n_heads, n_kv, head_dim, hidden, tiles):
         """x (T, dim) -> the layer's output (T, dim); K/V of the T tokens written at slots start..
-        `shared`: cpu_kernels' layout (mm_into then takes 1 or 4n rows: pad)."""
+        The four matrices come as `cpu_kernels.pack` panels; `tiles` are the kernels' addresses."""
         T, dim = x.shape
-        rows = T if T == 1 or not shared else (T + 3) // 4 * 4  # cpu_kernels.kernel_rows
-        h = np.zeros((rows, dim), dtype=np.float32)
+        h = np.empty((T, dim), dtype=np.float32)
         _rms_norm(x, attn_norm, eps, h)
-        qkv = np.empty((rows, wqkv.shape[0]), dtype=np.float32)
-        mm_into(h, wqkv, qkv, shared)
+        qkv = np.empty((T, wqkv.shape[0] * wqkv.shape[2]), dtype=np.float32)  # padded to whole panels
+        mm_into(h, wqkv, qkv, tiles)
         for t in range(T):
-            for i in range(wqkv.shape[0]):
+            for i in range(bqkv.shape[0]):
                 qkv[t, i] += bqkv[i]
-        att = np.zeros((rows, n_heads * head_dim), dtype=np.float32)
+        att = np.zeros((T, n_heads * head_dim), dtype=np.float32)
         probs = np.empty((T * n_heads, start + T), dtype=np.float32)
         _attend(qkv, rope, keys, values, start, mask, use_mask, n_heads, n_kv, head_dim, att, probs)
-        o = np.empty((rows, dim), dtype=np.float32)
-        mm_into(att, wo, o, shared)
+        o = np.empty((T, wo.shape[0] * wo.shape[2]), dtype=np.float32)
+        mm_into(att, wo, o, tiles)
         mid = np.empty((T, dim), dtype=np.float32)
         for t in range(T):
             for i in range(dim):
                 mid[t, i] = x[t, i] + (o[t, i] + bo[i])
         _rms_norm(mid, mlp_norm, eps, h)
-        gate_up = np.empty((rows, w_gate_up.shape[0]), dtype=np.float32)
-        mm_into(h, w_gate_up, gate_up, shared)
-        act = np.zeros((rows, hidden), dtype=np.float32)
-        _silu_mul(gate_up[:T], hidden, act)
-        down = np.empty((rows, dim), dtype=np.float32)
-        mm_into(act, w_down, down, shared)
+        gate_up = np.empty((T, w_gate_up.shape[0] * w_gate_up.shape[2]), dtype=np.float32)
+        mm_into(h, w_gate_up, gate_up, tiles)
+        act = np.empty((T, hidden), dtype=np.float32)
+        _silu_mul(gate_up, hidden, act)
+        down = np.empty((T, w_down.shape[0] * w_down.shape[2]), dtype=np.float32)
+        mm_into(act, w_down, down, tiles)
         for t in range(T):
             for i in range(dim):
                 mid[t, i] += down[t, i]
@@ -197,10 +196,10 @@ class FusedBlock(Block):
         m = self._all_visible if no_mask else mask[0, 0].numpy()  # (T, S)
         out = layer_forward(
             x[0].numpy(), rope, k_all[attn.layer, 0], v_all[attn.layer, 0], cache.lengths[0], m, not no_mask,
-            self.attn_norm.weight.numpy(), attn.wqkv.weight_np, *self._biases(), attn.wo.weight_np,
-            self.mlp_norm.weight.numpy(), mlp.w_gate_up.weight_np, mlp.w_down.weight_np,
+            self.attn_norm.weight.numpy(), attn.wqkv.panels, *self._biases(), attn.wo.panels,
+            self.mlp_norm.weight.numpy(), mlp.w_gate_up.panels, mlp.w_down.panels,
             self.attn_norm.eps, attn.n_heads, attn.n_kv, attn.head_dim, mlp.hidden_dim,
-            cpu_kernels.layout() == "shared")
+            cpu_kernels.kernels().addresses)
         return torch.from_numpy(out)[None]  # (1, T, dim)
 
     def _biases(self) -> tuple[np.ndarray, np.ndarray]:

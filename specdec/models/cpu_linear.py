@@ -51,12 +51,15 @@ class NumbaLinear(nn.Module):
         super().__init__()
         self.weight = linear.weight.detach()  # (out, in)
         self.weight_np: np.ndarray = self.weight.contiguous().numpy()
+        # A second copy, packed for the few-row kernels; BLAS (prefill) and the embedding read the first.
+        self.panels: np.ndarray = cpu_kernels.pack(self.weight_np)  # (P, in, NB)
         self.bias = None if linear.bias is None else linear.bias.detach()
         self.out_features = self.weight_np.shape[0]
 
     def forward(self, x: Tensor) -> Tensor:
         flat = np.ascontiguousarray(x.reshape(-1, x.shape[-1]).numpy())  # (M, in)
-        y = torch.from_numpy(cpu_kernels.matmul_wt(flat, self.weight_np)).view(*x.shape[:-1], self.out_features)
+        y = cpu_kernels.matmul_wt(flat, self.weight_np, self.panels)
+        y = torch.from_numpy(np.ascontiguousarray(y)).view(*x.shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias
 
 
@@ -83,13 +86,7 @@ def use_numpy_linears(module: nn.Module, kind: type[nn.Module] = NumpyLinear) ->
 def use_numba_linears(module: nn.Module) -> int:
     if not cpu_kernels.available():
         raise ImportError("model.matmul=numba needs the numba package: pip install numba")
-    swapped = use_numpy_linears(module, NumbaLinear)
-    # The kernels' multi-row layout is the CPU's choice: the first model to use them times both on its
-    # own matrices, every later one keeps that choice.
-    weights = [m.weight_np for m in module.modules() if isinstance(m, NumbaLinear)]
-    if weights:
-        cpu_kernels.pick_layout(weights)
-    return swapped
+    return use_numpy_linears(module, NumbaLinear)
 
 
 def use_torch_linears(module: nn.Module) -> None:
