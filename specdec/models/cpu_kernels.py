@@ -6,12 +6,12 @@ costs 1.6-1.9x a one-token step, which eats most of what speculation saves.
 
 Here W is packed once, at load, into panels: panel p holds output columns p*NB..p*NB+NB-1 as a
 (K, NB) row-major block, so one pass over a panel streams contiguous memory. A small kernel written in
-LLVM IR (compiled for this CPU by llvmlite, which numba already needs) keeps a tile of up to 4 rows x NB
-outputs in vector registers: each step over k loads NB weights once, broadcasts x[m, k] and does one
-fused multiply-add per row, and prefetches the panel a few KB ahead so that the extra rows' arithmetic
-hides under the weight stream instead of adding to it. Earlier kernels (a dot product per output,
-numba-vectorised over k) made a 4-token pass cost 1.07x (AMD EPYC) to 1.29x (Intel Xeon) a one-token
-pass; `python -m specdec.bench` gives the current curve.
+LLVM IR (compiled for this CPU by llvmlite, which numba already needs) keeps a tile of up to 8 rows x NB
+outputs in vector registers (4 rows where there are only 16 of them): each step over k loads NB weights
+once, broadcasts x[m, k] and does one fused multiply-add per row, and prefetches the panel a few KB
+ahead, so that the extra rows' arithmetic hides under the weight stream instead of adding to it. The
+kernels before (a dot product per output, numba-vectorised over k) made a 4-token pass cost 1.07x (AMD
+EPYC) to 1.29x (Intel Xeon) a one-token pass; `python -m specdec.bench` gives the current curve.
 
 Exactness: every output is the chain y = fma(x[m, k], W[n, k], y) for k = 0, 1, ... in order, in every
 kernel, whatever the number of rows, the vector width or the panel. So a row's result is bitwise the
@@ -65,7 +65,10 @@ def host_isa() -> Isa:
     """This CPU's widest float vectors: 16 lanes with AVX-512, 8 with AVX, else 4; two per panel row.
     A tile holds rows x 2 accumulators plus 2 weight vectors and a broadcast in registers: up to 8 rows
     with 32 vector registers (AVX-512, NEON), 4 with AVX2's 16."""
-    features = llvm.get_host_cpu_features()
+    try:
+        features = llvm.get_host_cpu_features()
+    except RuntimeError:  # LLVM cannot list this host's features: generic code for its CPU name
+        return Isa(4, 2, 8, llvm.get_host_cpu_name(), "")
     if features.get("avx512f"):
         width, rows = 16, 8
     elif features.get("avx"):
@@ -82,8 +85,8 @@ def tile_ir(rows: int, isa: Isa) -> str:
     vt = f"<{W} x float>"
     acc = [(m, j) for m in range(rows) for j in range(V)]
     body = [
-        f"define void @tile{rows}(ptr noalias nocapture readonly %x, i64 %ldx, ptr noalias nocapture readonly %w,",
-        "                         ptr noalias nocapture %y, i64 %ldy, i64 %K, i64 %p0, i64 %p1) nounwind {",
+        f"define void @tile{rows}(ptr noalias readonly %x, i64 %ldx, ptr noalias readonly %w,",
+        "                         ptr noalias %y, i64 %ldy, i64 %K, i64 %p0, i64 %p1) nounwind {",
         "entry:",
         "  %none = icmp sge i64 %p0, %p1",
         "  br i1 %none, label %done, label %panel",
@@ -212,6 +215,7 @@ if numba is not None:
                     r = min(T, M - m0)
                     _call_tile(tiles[r - 1], xa + 4 * m0 * ldx, ldx, wa, ya + 4 * m0 * ldy, ldy, K, p, p + 1)
 
+
 _compiled: dict[Isa, TileKernels] = {}
 
 
@@ -247,7 +251,8 @@ def padded_width(panels: np.ndarray) -> int:
 
 
 def matmul(x: np.ndarray, panels: np.ndarray, n_out: int, tiles: np.ndarray | None = None) -> np.ndarray:
-    """x (M, K) float32 -> x @ W^T (M, n_out), W given as `pack(W)` panels. For M <= MAX_ROWS only."""
+    """x (M, K) float32 -> x @ W^T (M, n_out), W given as `pack(W)` panels (any M; above MAX_ROWS
+    BLAS is faster, see `matmul_wt`)."""
     x = np.ascontiguousarray(x, dtype=np.float32)
     y = np.empty((x.shape[0], padded_width(panels)), dtype=np.float32)
     mm_into(x, panels, y, kernels().addresses if tiles is None else tiles)
