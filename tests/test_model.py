@@ -252,3 +252,27 @@ def test_fused_cpu_tree_nodes_equal_their_paths_bitwise(load_tiny: Callable[...,
         for t in path:
             last = seq.forward(torch.tensor([t])).logits
         assert torch.equal(last[-1], logits[node]), node
+
+
+def test_auto_matmul_leaves_the_model_running_the_kind_it_reports(load_tiny: Callable[..., LoadedModel]) -> None:
+    """matmul=auto times each kind in turn and keeps the fastest: the model afterwards runs exactly that
+    kind's layers (the last one timed stays in place rather than being rebuilt) and the torch logits."""
+    from specdec.models.cpu_layer import FusedBlock
+    from specdec.models.cpu_linear import MATMULS, NumbaLinear, NumpyLinear, pick_faster_linears
+
+    model = load_tiny("llama", matmul="torch").model
+    ids = random_ids(12, VOCAB, seed=10)
+    _, ref = chain_forward(model, ids)
+    try:
+        kind = pick_faster_linears(model, steps=1)
+        assert kind in MATMULS
+        mods = list(model.modules())
+        assert any(isinstance(m, NumbaLinear) for m in mods) == (kind == "numba")
+        assert any(isinstance(m, FusedBlock) for m in mods) == (kind == "numba")
+        assert any(isinstance(m, NumpyLinear) for m in mods) == (kind == "numpy")
+        _, logits = chain_forward(model, ids)
+        torch.testing.assert_close(logits, ref, atol=ATOL, rtol=1e-4)
+    finally:
+        from specdec.models.cpu_linear import use_matmul
+
+        use_matmul(model, "torch")  # the fixture's models are shared between tests

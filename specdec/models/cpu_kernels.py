@@ -37,7 +37,7 @@ except ImportError:  # numba is a dependency, but a missing one only costs speed
 
 # Above this many rows BLAS's packed GEMM (compute-bound, prefill) is faster than these kernels.
 MAX_ROWS = 24
-PREFETCH_FLOATS = 1024  # how far ahead of the loads the panel is prefetched (4 KB; swept 256-4096 on a Xeon)
+PREFETCH_FLOATS = 1024  # prefetch distance: 4 KB ahead of the loads (a scratch sweep of 1-16 KB on a Xeon)
 
 
 def available() -> bool:
