@@ -163,6 +163,9 @@ class SavedDrafter:
 
     folder: Path
     meta: dict[str, Any]
+    # fp32, or bf16: with the CPU kernels (model.matmul=numba), the drafter's matrices rounded to bfloat16
+    # and streamed at half the bytes. Lossless either way: the target checks every guess.
+    weights: str = "fp32"
     _bound: dict[int, Any] = field(default_factory=dict, repr=False)
     HEAD: ClassVar[str] = ""  # the configs/head/ entry that trains it
     WHAT: ClassVar[str] = ""  # how errors name it
@@ -189,19 +192,23 @@ class SavedDrafter:
         kept_ids = tensors.pop("kept_ids").long().to(target.device)
         return kept_ids, {k: v.to(device=target.device, dtype=target.dtype) for k, v in tensors.items()}
 
-    @staticmethod
-    def ready(net: nn.Module, kept_ids: Tensor, target: LoadedModel) -> None:
+    def ready(self, net: nn.Module, kept_ids: Tensor, target: LoadedModel) -> None:
         """Frozen, its rows mapped to target ids, and running its matmuls the way the target does."""
         net.eval().requires_grad_(False)
         net.token_ids = kept_ids
         if target.matmul != "torch":
             from specdec.models.cpu_linear import use_matmul
 
-            use_matmul(net, target.matmul)  # the same CPU kernels as the target (see cpu_linear.py)
+            use_matmul(net, target.matmul, self.weights)  # the target's CPU kernels (see cpu_linear.py)
 
     @classmethod
-    def load(cls, path: str | Path, config: str, weights: str, fmt: str, alternative: str = "") -> Any:
-        """The drafter saved in `path` (relative: the working directory, then the repository)."""
+    def load(cls, path: str | Path, config: str, weights: str, fmt: str, alternative: str = "",
+             compute: str = "fp32") -> Any:
+        """The drafter saved in `path` (relative: the working directory, then the repository);
+        `compute`: the CPU kernels' weights, fp32 or bf16 (see `weights` above)."""
+        if compute not in ("fp32", "bf16"):
+            raise SpecdecError(f"the {cls.WHAT}'s weights={compute!r} is not fp32 or bf16; "
+                               "e.g. strategy.draft.weights=bf16")
         folder = resolve_path(path)
         if not (folder / config).is_file() or not (folder / weights).is_file():
             model = folder.name.removesuffix(f"-{cls.HEAD}") or "MODEL"
@@ -211,7 +218,7 @@ class SavedDrafter:
         if meta.get("format") != fmt:
             raise SpecdecError(f"{folder / config} is not a specdec {cls.WHAT} ({fmt}); retrain it with "
                                f"python -m heads.train head={cls.HEAD}")
-        return cls(folder, meta)
+        return cls(folder, meta, compute)
 
 
 class DraftCheckpoint(SavedDrafter):
@@ -250,9 +257,11 @@ def resolve_path(path: str | Path) -> Path:
     return REPO / p
 
 
-def load_draft(path: str) -> DraftCheckpoint:
-    """Entry point of the strategy configs: the trained draft in `path` (heads/checkpoints/MODEL-draft)."""
-    return DraftCheckpoint.load(path, CONFIG, WEIGHTS, FORMAT, ", or use strategy=draft_lm with a draft model")
+def load_draft(path: str, weights: str = "fp32") -> DraftCheckpoint:
+    """Entry point of the strategy configs: the trained draft in `path` (heads/checkpoints/MODEL-draft),
+    its matrices run in fp32 or bf16 by the CPU kernels (`weights`)."""
+    return DraftCheckpoint.load(path, CONFIG, WEIGHTS, FORMAT, ", or use strategy=draft_lm with a draft model",
+                                weights)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -102,9 +102,10 @@ class EagleCheckpoint(SavedDrafter):
         return net
 
 
-def load_eagle(path: str) -> EagleCheckpoint:
-    """Entry point of configs/strategy/eagle.yaml: the drafter in `path` (heads/checkpoints/MODEL-eagle)."""
-    return EagleCheckpoint.load(path, CONFIG, WEIGHTS, FORMAT)
+def load_eagle(path: str, weights: str = "fp32") -> EagleCheckpoint:
+    """Entry point of configs/strategy/eagle.yaml: the drafter in `path` (heads/checkpoints/MODEL-eagle),
+    its matrices run in fp32 or bf16 by the CPU kernels (`weights`)."""
+    return EagleCheckpoint.load(path, CONFIG, WEIGHTS, FORMAT, compute=weights)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -5,6 +5,12 @@ drafter distilled on it alone sees little of what people ask a chat model (writi
 explanations, advice, reasoning, translation, extraction), and on such questions its agreement with
 the target halved. These prompts widen what the target's continuations cover. They share no text
 with any benchmark file: they are built here from the lists below and the stdlib's docstrings.
+
+The kinds grew twice: first explanations, writing, role play, advice, comparisons, reasoning,
+translation, extraction and code; then (2026-12-01) summaries and questions over a passage,
+rewriting, science and formulas, arithmetic word problems, history and books, and small talk, because
+a draft trained on the first set still agreed with the target on only 28% of the tokens of a
+Spec-Bench-style file against 60% on its own validation data.
 """
 
 from __future__ import annotations
@@ -31,6 +37,11 @@ TOPICS = (
     "the Harlem Renaissance", "3D printing", "ocean currents", "the Magna Carta", "bacteria",
     "minimalism", "the Ottoman Empire", "nuclear power", "time management", "dinosaurs",
     "the printing of money", "impressionist painting", "cloud computing", "the Nile River", "friendship",
+    "the Vikings", "electric guitars", "the immune response to allergies", "space tourism", "the Aztecs",
+    "photosynthetic algae", "the gig economy", "volunteering", "the history of the bicycle", "opera",
+    "self-driving cars", "the Greek gods", "personal finance", "the Arctic", "video games", "tea",
+    "the human brain", "mountaineering", "the French language", "smart homes", "the Pyramids of Giza",
+    "mushrooms", "the Titanic", "cybersecurity", "the history of medicine", "climate adaptation",
 )
 
 PLACES = ("Paris", "Tokyo", "Cairo", "Rio de Janeiro", "Iceland", "New York", "Kenya", "Rome", "Peru",
@@ -111,6 +122,51 @@ TEMPLATES: dict[str, tuple[str, ...]] = {
         "Write a one-sentence headline for this text.\n\n{paragraph}",
         "Turn the following text into a short FAQ with three questions and answers.\n\n{paragraph}",
     ),
+    "summarize": (
+        "Summarize the following passage in two sentences.\n\n{paragraph}",
+        "Explain this passage in plain words for {audience}.\n\n{paragraph}",
+        "What is the main idea of this text? Answer briefly.\n\n{paragraph}",
+    ),
+    "passage_qa": (
+        "Answer using only the passage below: what problem does it describe, and what is the solution?"
+        "\n\nPassage: {paragraph}",
+        "Passage: {paragraph}\n\nQuestion: Based on the passage, what should a programmer watch out for?",
+        "Read the passage and write two questions it answers, each with its answer.\n\n{paragraph}",
+    ),
+    "rewrite": (
+        "Rewrite this sentence in a more formal tone: \"{sentence}\"",
+        "Rewrite the following text so that {audience} can understand it:\n\n{paragraph}",
+        "Paraphrase this sentence in three different ways: \"{sentence}\"",
+    ),
+    "stem": (
+        "How does {stem} work? Explain the science behind it.",
+        "What is the formula for {formula}, and how is it used? Give an example.",
+        "Explain {stem} step by step, as a physics teacher would.",
+        "Why is {topic} important for science? Give two examples.",
+    ),
+    "math": (
+        "What is {pct}% of {big}? Show your work.",
+        "A jacket costs ${price} and is on sale for {pct}% off. What is the sale price?",
+        "Solve for x: {a}x + {b} = {c}. Explain each step.",
+        "A rectangle is {w} cm wide and {h} cm long. What are its area and perimeter?",
+        "If I invest ${big} at {r}% interest per year, compounded annually, how much will I have after {n} years?",
+        "A train travels {d} km in {hours} hours. What is its average speed in km/h?",
+    ),
+    "humanities": (
+        "What were the main causes of {event}?",
+        "Describe the importance of {person} in history.",
+        "Discuss the main themes of {book}.",
+        "How did {event} change everyday life for ordinary people?",
+        "Write a short biography of {person} for a school report.",
+    ),
+    "chat": (
+        "Tell me a fun fact about {topic}.",
+        "Can you recommend three books about {topic}? Say why for each.",
+        "I'm feeling stressed about {task}. Do you have any advice?",
+        "List ten interesting facts about {topic}.",
+        "Write a dialogue between {role} and {role2} about {topic}.",
+        "What would happen if {topic} suddenly disappeared? Be creative.",
+    ),
     "code": (
         "Write a Python function that checks whether a string is a palindrome, and explain it.",
         "Write a Python function that returns the {k} most common words in a text.",
@@ -129,7 +185,30 @@ SENTENCES = (
     "We are meeting our friends for dinner tonight.", "This book changed the way I think about history.",
     "The museum opens at nine in the morning.", "My brother is learning to play the piano.",
     "Please turn off the lights when you leave.", "How much does this ticket cost?",
+    "I have lived in this city for five years.", "Can you recommend a good restaurant nearby?",
+    "The children are playing in the garden.", "I forgot my umbrella at the office.",
+    "What time does the next bus leave?", "She is reading a book about ancient history.",
+    "Thank you very much for your help yesterday.", "The meeting has been moved to Thursday afternoon.",
+    "We should protect the environment for future generations.", "My favorite season is autumn.",
 )
+
+STEM = ("a refrigerator", "a rainbow", "GPS navigation", "a nuclear reactor", "an electric motor",
+        "a microwave oven", "the greenhouse effect", "a lithium-ion battery", "an airplane wing", "a telescope",
+        "the heart's circulation", "a compass", "noise-cancelling headphones", "a solar cell", "fermentation")
+
+FORMULAS = ("the area of a circle", "kinetic energy", "compound interest", "the Pythagorean theorem",
+            "Ohm's law", "density", "the volume of a sphere", "average speed", "the slope of a line",
+            "simple probability")
+
+EVENTS = ("World War I", "the fall of the Berlin Wall", "the American Revolution", "the Black Death",
+          "the Industrial Revolution in Britain", "the collapse of the Western Roman Empire",
+          "the Meiji Restoration", "the Great Depression", "the abolition of slavery", "the space race")
+
+PEOPLE = ("Leonardo da Vinci", "Marie Curie", "Nelson Mandela", "Confucius", "Ada Lovelace", "Cleopatra",
+          "Isaac Newton", "Mahatma Gandhi", "Frida Kahlo", "Charles Darwin", "Shakespeare", "Genghis Khan")
+
+BOOKS = ("Hamlet", "Pride and Prejudice", "Nineteen Eighty-Four", "To Kill a Mockingbird", "The Odyssey",
+         "Moby-Dick", "Don Quixote", "Frankenstein", "The Great Gatsby", "Crime and Punishment")
 
 NAMES = ("Alice", "Bruno", "Carmen", "Dmitri", "Esther", "Felix", "Gina", "Hassan", "Ivy", "Jamal")
 
@@ -137,17 +216,25 @@ NAMES = ("Alice", "Bruno", "Carmen", "Dmitri", "Esther", "Felix", "Gina", "Hassa
 def _fill(template: str, rng: random.Random, paragraphs: list[str]) -> str:
     topic, topic2 = rng.sample(TOPICS, 2)
     name, name2, name3 = rng.sample(NAMES, 3)
+    role, role2 = rng.sample(ROLES, 2)
+    a, x = rng.randint(2, 9), rng.randint(-10, 10)
+    b = rng.randint(1, 20)
     heads = rng.randint(10, 40)
     cows = rng.randint(1, heads - 1)
     start, step = rng.randint(1, 9), rng.randint(2, 7)
     values = {
-        "topic": topic, "topic2": topic2, "place": rng.choice(PLACES), "role": rng.choice(ROLES),
+        "topic": topic, "topic2": topic2, "place": rng.choice(PLACES), "role": role, "role2": role2,
         "audience": rng.choice(AUDIENCES), "language": rng.choice(LANGUAGES), "item": rng.choice(ITEMS),
         "task": rng.choice(TASKS), "sentence": rng.choice(SENTENCES), "name": name, "name2": name2,
         "name3": name3, "total": 3 * rng.randint(5, 40), "heads": heads, "legs": 2 * heads + 2 * cows,
         "seq": ", ".join(str(start + step * i) for i in range(5)), "hour": rng.randint(6, 11),
         "hours": rng.randint(2, 6), "speed": rng.choice((60, 70, 80, 90, 100)), "k": rng.randint(3, 10),
-        "paragraph": rng.choice(paragraphs) if paragraphs else topic,
+        "paragraph": rng.choice(paragraphs) if paragraphs else topic, "stem": rng.choice(STEM),
+        "formula": rng.choice(FORMULAS), "event": rng.choice(EVENTS), "person": rng.choice(PEOPLE),
+        "book": rng.choice(BOOKS), "pct": rng.choice((5, 10, 15, 20, 25, 30, 40, 75)),
+        "big": rng.choice((80, 120, 250, 400, 1500, 2000, 5000)), "price": rng.randint(20, 200),
+        "a": a, "b": b, "c": a * x + b, "w": rng.randint(3, 30), "h": rng.randint(3, 30),
+        "r": rng.choice((2, 3, 4, 5, 6)), "n": rng.randint(2, 10), "d": rng.randint(50, 600),
     }
     return template.format(**values)
 

@@ -16,7 +16,16 @@ from specdec.errors import SpecdecError
 from specdec.metrics import strategy_metrics
 from specdec.models.loader import LoadedModel, load_model
 from specdec.strategies.base import DecodeState, GenerationParams
-from specdec.strategies.draft import Confidence, CostAware, DraftSchedule, DraftStrategy, FixedLength, Heuristic, SitOut
+from specdec.strategies.draft import (
+    Confidence,
+    CostAware,
+    DraftSchedule,
+    DraftStrategy,
+    FixedLength,
+    Heuristic,
+    RoundStats,
+    SitOut,
+)
 from specdec.strategies.greedy import Greedy
 from specdec.strategies.hf import HFAssisted
 
@@ -39,6 +48,19 @@ def target() -> LoadedModel:
 @pytest.fixture(scope="module")
 def wrong_draft() -> LoadedModel:
     return tiny(1)  # same tokenizer, other random weights: almost never agrees with the target
+
+
+@pytest.fixture(scope="module")
+def near_draft() -> LoadedModel:
+    """The target with its matrices perturbed (5% of their spread): it agrees often, and where its first
+    choice misses, its second is often the target's token."""
+    model = tiny(0)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in model.model.parameters():
+            if p.dim() == 2:
+                p.add_(torch.randn(p.shape, generator=g) * p.std() * 0.05)
+    return model
 
 
 def prompt_ids(target: LoadedModel, text: str) -> list[int]:
@@ -122,7 +144,7 @@ def test_cost_aware_schedule() -> None:
     assert not dear.keep_drafting(1, 0.97)  # a draft step dearer than a target step never pays
     calib = CostAware(max_gamma=10, cost_ratio=0.5, verify_cost=0.0, prior_weight=1.0)
     for _ in range(100):  # the draft is confident but the target never agrees
-        calib.update(1, 0, [0.95], 0.001, 0.02)
+        calib.update(RoundStats(1, 0, [0.95], 0.001, 0.02))
     assert calib.accept_prob(0.95) < 0.05
     calib.length()
     assert not calib.keep_drafting(1, 0.95)
@@ -133,9 +155,50 @@ def test_cost_aware_measures_verification_cost() -> None:
     sched = CostAware(cost_ratio=1.0, verify_cost=0.0, momentum=0.1)
     for i in range(300):  # target pass: 20 ms + 4 ms per verified token; draft: 2.4 ms per token
         k = 1 + i % 6
-        sched.update(k, 0, [0.5] * k, 0.0024 * k, 0.020 + 0.004 * (k + 1))
+        sched.update(RoundStats(k, 0, [0.5] * k, 0.0024 * k, 0.020 + 0.004 * (k + 1)))
     assert sched.verify_cost == pytest.approx(0.004 / 0.024, rel=0.05)
     assert sched.cost == pytest.approx(0.0024 / 0.024, rel=0.05)
+
+
+def test_cost_aware_branches_where_a_second_choice_pays() -> None:
+    cheap = CostAware(cost_ratio=0.05, verify_cost=0.01, siblings=2)
+    # a likely second choice at the first depth pays for one more verified token; depth 3 is rarely reached
+    assert cheap.branches([0.1, 0.1, 0.1], [0.45, 0.45, 0.45], room=10) == [0, 1]
+    assert cheap.branches([0.1, 0.1, 0.1], [0.45, 0.45, 0.45], room=1) == [0]  # no room for a second sibling
+    assert CostAware(verify_cost=0.5, siblings=2).branches([0.9], [0.05], room=10) == []  # dear: chains
+    assert CostAware(verify_cost=0.0).branches([0.1], [0.45], room=10) == []  # siblings=0: chains
+    calib = CostAware(verify_cost=0.01, siblings=2, prior_weight=1.0)
+    for _ in range(200):  # second choices at 0.45 that the target never takes
+        calib.update(RoundStats(1, 0, [0.5], 0.001, 0.02, siblings=1, seconds=((0.45, False),)))
+    assert calib.second_prob(0.45) < 0.02
+    assert calib.branches([0.5], [0.45], room=10) == []
+
+
+@pytest.mark.parametrize("which", ["wrong", "near", "self"])
+def test_sibling_trees_reproduce_greedy_and_keep_caches_exact(target: LoadedModel, wrong_draft: LoadedModel,
+                                                              near_draft: LoadedModel, which: str) -> None:
+    draft = {"wrong": wrong_draft, "near": near_draft, "self": target}[which]
+    # free verification: a sibling at every depth the schedule drafts
+    strategy = DraftStrategy(target, "draft", draft, CostAware(max_gamma=3, cost_ratio=0.0, verify_cost=0.0,
+                                                                siblings=3), 512, 64)
+    prompt = prompt_ids(target, PROMPTS[0])
+    trees = sibling_wins = 0
+    for state, proposal, verdict, proposer in speculative_rounds(strategy, prompt, 20, GenerationParams(300)):
+        drafted = next((i for i, p in enumerate(proposal.parents) if p != i), len(proposal.parents))  # chain nodes
+        trees += not proposal.is_chain
+        sibling_wins += bool(verdict.nodes) and verdict.nodes[-1] > drafted
+        assert_kv_matches_fresh(strategy.engine, state.ids[:-1])
+        assert proposer.fed == state.ids[:len(proposer.fed)]
+        assert_kv_matches_fresh(strategy.drafter.engine, proposer.fed)
+    if which != "wrong":  # (the wrong draft's second choices calibrate towards 0 and stop paying)
+        assert trees >= 6
+    if which == "near":
+        assert sibling_wins >= 3  # where its first choice misses, the second is often the target's token
+    for text in PROMPTS:
+        p = prompt_ids(target, text)
+        res = strategy.generate(p, GenerationParams(30), 0)
+        assert res.output_ids == greedy_ids(target, p, 30)
+        assert sum(res.accept_lengths) == 30
 
 
 @pytest.mark.parametrize("schedule", ["draft_heuristic", "draft_confidence", "draft_cost_aware", "draft_sitout"])

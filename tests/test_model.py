@@ -130,6 +130,27 @@ def test_kernels_for_other_cpus_give_bitwise_the_same_products(isa: tuple[int, i
 
 
 @needs_numba
+@pytest.mark.parametrize("isa", [None, (8, 2, 4, "haswell", "+avx,+avx2,+fma")], ids=["host", "avx2"])
+def test_bf16_kernels_equal_float_kernels_on_rounded_weights(isa: tuple[int, int, int, str, str] | None) -> None:
+    """bfloat16 panels widen exactly to float32, so their products equal the float32 kernels' on the
+    rounded weights bitwise, for any rows; and rounding is to nearest (error within half a bf16 step)."""
+    k = cpu_kernels.kernels(None if isa is None else cpu_kernels.Isa(*isa))
+    rng = np.random.default_rng(5)
+    w = rng.standard_normal((70, 576), dtype=np.float32)
+    rounded = cpu_kernels.to_bf16(w)
+    assert not np.array_equal(rounded, w)
+    assert np.all(np.abs(rounded - w) <= np.abs(w) * 2.0 ** -8)
+    half = cpu_kernels.pack(w, panel=k.isa.panel, bf16=True)
+    assert half.dtype == np.uint16 and half.nbytes * 2 == cpu_kernels.pack(w, panel=k.isa.panel).nbytes
+    for rows in (1, 2, 5, 8, 11):
+        x = rng.standard_normal((rows, 576), dtype=np.float32)
+        got = cpu_kernels.matmul(x, half, 70, tiles=k.addresses_bf16)
+        want = cpu_kernels.matmul(x, cpu_kernels.pack(rounded, panel=k.isa.panel), 70, tiles=k.addresses)
+        assert np.array_equal(got, want), rows
+        np.testing.assert_allclose(got, x @ rounded.T, rtol=1e-4, atol=1e-3)
+
+
+@needs_numba
 def test_kernels_use_the_cpus_vectors() -> None:
     """The tile kernels compile to packed fused multiply-adds of this CPU's widest vectors (a scalar
     fallback would still pass the tests above, at a fraction of the speed)."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from helpers import tiny_train_overrides
@@ -18,6 +19,7 @@ from specdec.cli_checks import CONFIG_DIR
 from specdec.data import default_suite
 from specdec.engine.engine import StaticEngine
 from specdec.errors import SpecdecError
+from specdec.models import cpu_kernels
 from specdec.models.loader import LoadedModel, load_model
 from specdec.run import cpu_name
 from specdec.strategies.base import GenerationParams
@@ -118,6 +120,17 @@ def test_short_training_lowers_loss_and_ships_a_usable_draft(tmp_path: Path, dat
     other = load_model("tiny-wide", "builtin:tiny-llama", matmul="torch", tiny={"hidden_size": 32})
     with pytest.raises(SpecdecError, match="trained for tiny-llama"):
         draft.bind(other)
+    if cpu_kernels.available():  # bf16 weights in the CPU kernels: a different draft, the same output
+        fast_target = load_model("tiny-llama", "builtin:tiny-llama", matmul="numba")
+        half = load_draft(str(out), weights="bf16")
+        half_net = half.bind(fast_target)
+        assert half_net.lm_head.panels.dtype == np.uint16 and half_net.layers[0].attn.wqkv.panels.dtype == np.uint16
+        fast_ref = Greedy(fast_target, "greedy", 512, 64).generate(prompt, GenerationParams(24), 0).output_ids
+        res = DraftStrategy(fast_target, "draft", half, FixedLength(3), 512, 64).generate(
+            prompt, GenerationParams(24), 0)
+        assert res.output_ids == fast_ref and res.accepted > 0
+    with pytest.raises(SpecdecError, match="not fp32 or bf16"):
+        load_draft(str(out), weights="fp8")
 
 
 def _final_params(out: Path) -> dict[str, torch.Tensor]:

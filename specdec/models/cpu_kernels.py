@@ -37,7 +37,7 @@ except ImportError:  # numba is a dependency, but a missing one only costs speed
 
 # Above this many rows BLAS's packed GEMM (compute-bound, prefill) is faster than these kernels.
 MAX_ROWS = 24
-PREFETCH_FLOATS = 1024  # prefetch distance: 4 KB ahead of the loads (a scratch sweep of 1-16 KB on a Xeon)
+PREFETCH_BYTES = 4096  # prefetch distance ahead of the loads (a scratch sweep of 1-16 KB on a Xeon)
 
 
 def available() -> bool:
@@ -78,14 +78,18 @@ def host_isa() -> Isa:
     return Isa(width, 2, rows, llvm.get_host_cpu_name(), features.flatten())
 
 
-def tile_ir(rows: int, isa: Isa) -> str:
+def tile_ir(rows: int, isa: Isa, bf16: bool = False) -> str:
     """LLVM IR of `tile{rows}(x, ldx, panels, y, ldy, K, p0, p1)`: y[m, p*NB:(p+1)*NB] = x[m] @ panel p
-    for m < rows and panels p0..p1-1. The accumulators are SSA values, so LLVM keeps them in registers."""
+    for m < rows and panels p0..p1-1. The accumulators are SSA values, so LLVM keeps them in registers.
+
+    `bf16`: `tile{rows}_bf16` reads panels of bfloat16 weights (the top half of a float32's bits), half
+    the bytes to stream, and widens each to float32 exactly (a shift) before the same fma chain."""
     W, V, NB = isa.width, isa.vectors, isa.panel
     vt = f"<{W} x float>"
+    et, esize = ("i16", 2) if bf16 else ("float", 4)
     acc = [(m, j) for m in range(rows) for j in range(V)]
     body = [
-        f"define void @tile{rows}(ptr noalias readonly %x, i64 %ldx, ptr noalias readonly %w,",
+        f"define void @{tile_name(rows, bf16)}(ptr noalias readonly %x, i64 %ldx, ptr noalias readonly %w,",
         "                         ptr noalias %y, i64 %ldy, i64 %K, i64 %p0, i64 %p1) nounwind {",
         "entry:",
         "  %none = icmp sge i64 %p0, %p1",
@@ -101,14 +105,21 @@ def tile_ir(rows: int, isa: Isa) -> str:
         f"  %koff = mul i64 %k, {NB}",
         "  %woff = add i64 %pbase, %koff",
     ]
+    sixteen = "<" + ", ".join(["i32 16"] * W) + ">"
     for j in range(V):
         body += [f"  %wo{j} = add i64 %woff, {j * W}",
-                 f"  %wp{j} = getelementptr inbounds float, ptr %w, i64 %wo{j}",
-                 f"  %w{j} = load {vt}, ptr %wp{j}, align 4"]
-    for line in range(max(1, NB * 4 // 64)):  # one prefetch per 64-byte line of this step's loads, a few KB ahead
+                 f"  %wp{j} = getelementptr inbounds {et}, ptr %w, i64 %wo{j}"]
+        if bf16:
+            body += [f"  %wh{j} = load <{W} x i16>, ptr %wp{j}, align 2",
+                     f"  %wz{j} = zext <{W} x i16> %wh{j} to <{W} x i32>",
+                     f"  %ws{j} = shl <{W} x i32> %wz{j}, {sixteen}",
+                     f"  %w{j} = bitcast <{W} x i32> %ws{j} to {vt}"]
+        else:
+            body += [f"  %w{j} = load {vt}, ptr %wp{j}, align 4"]
+    for line in range(max(1, NB * esize // 64)):  # one prefetch per 64-byte line of this step's loads, a few KB ahead
         # (no inbounds: near the end this points past the panels, and a prefetch never faults)
-        body += [f"  %fo{line} = add i64 %woff, {PREFETCH_FLOATS + line * 16}",
-                 f"  %fp{line} = getelementptr float, ptr %w, i64 %fo{line}",
+        body += [f"  %fo{line} = add i64 %woff, {(PREFETCH_BYTES + line * 64) // esize}",
+                 f"  %fp{line} = getelementptr {et}, ptr %w, i64 %fo{line}",
                  f"  call void @llvm.prefetch.p0(ptr %fp{line}, i32 0, i32 3, i32 1)"]
     for m in range(rows):
         body += [f"  %xr{m} = mul i64 {m}, %ldx",
@@ -138,23 +149,29 @@ def tile_ir(rows: int, isa: Isa) -> str:
     return "\n".join(body)
 
 
+def tile_name(rows: int, bf16: bool = False) -> str:
+    return f"tile{rows}_bf16" if bf16 else f"tile{rows}"
+
+
 class TileKernels:
-    """The 1..isa.rows-row tile kernels compiled for `isa`; `addresses[r - 1]` is the r-row kernel."""
+    """The 1..isa.rows-row tile kernels compiled for `isa`; `addresses[r - 1]` is the r-row kernel over
+    float32 panels, `addresses_bf16[r - 1]` the one over bfloat16 panels."""
 
     def __init__(self, isa: Isa) -> None:
         W = isa.width
         source = "\n".join([
             "declare void @llvm.prefetch.p0(ptr, i32, i32, i32)",
             f"declare <{W} x float> @llvm.fma.v{W}f32(<{W} x float>, <{W} x float>, <{W} x float>)",
-            *(tile_ir(r, isa) for r in range(1, isa.rows + 1))])
+            *(tile_ir(r, isa, bf16) for bf16 in (False, True) for r in range(1, isa.rows + 1))])
         module = llvm.parse_assembly(source)
         module.verify()
         machine = llvm.Target.from_default_triple().create_target_machine(cpu=isa.cpu, features=isa.features, opt=3)
         self.isa = isa
         self._engine = llvm.create_mcjit_compiler(module, machine)  # owns the code: keep it alive
         self._engine.finalize_object()
-        self.addresses = np.array([self._engine.get_function_address(f"tile{r}")
-                                   for r in range(1, isa.rows + 1)], dtype=np.int64)
+        self.addresses, self.addresses_bf16 = (
+            np.array([self._engine.get_function_address(tile_name(r, bf16)) for r in range(1, isa.rows + 1)],
+                     dtype=np.int64) for bf16 in (False, True))
         self.assembly = machine.emit_assembly(module)
 
 
@@ -199,7 +216,8 @@ if numba is not None:
     @njit(parallel=True, cache=True)
     def mm_into(x, panels, y, tiles):  # pragma: no cover - compiled
         """y[:, :P NB] = x (M, K) @ W^T for W packed as panels (P, K, NB) by `pack`; x and y rows
-        contiguous, y at least P NB wide (the padded columns get products with zero weights)."""
+        contiguous, y at least P NB wide (the padded columns get products with zero weights).
+        `tiles`: the kernels for the panels' type (`tiles_for`)."""
         M, K = x.shape
         P = panels.shape[0]
         xa, wa, ya = np.int64(x.ctypes.data), np.int64(panels.ctypes.data), np.int64(y.ctypes.data)
@@ -235,14 +253,35 @@ def describe() -> str:
     return f"tiles up to {isa.rows}x{isa.panel}, f32x{isa.width}, {isa.cpu}"
 
 
-def pack(w: np.ndarray, panel: int | None = None) -> np.ndarray:
-    """(N, K) float32 -> (ceil(N / NB), K, NB) panels, zero-padded past N."""
+def pack(w: np.ndarray, panel: int | None = None, bf16: bool = False) -> np.ndarray:
+    """(N, K) float32 -> (ceil(N / NB), K, NB) panels, zero-padded past N; float32, or with `bf16`
+    bfloat16 bit patterns (uint16, rounded to nearest even: `to_bf16`)."""
     nb = panel or kernels().isa.panel
     n, k = w.shape
     p = -(-n // nb)
     padded = np.zeros((p * nb, k), dtype=np.float32)
     padded[:n] = w
-    return np.ascontiguousarray(padded.reshape(p, nb, k).transpose(0, 2, 1))
+    panels = np.ascontiguousarray(padded.reshape(p, nb, k).transpose(0, 2, 1))
+    return bf16_bits(panels) if bf16 else panels
+
+
+def bf16_bits(w: np.ndarray) -> np.ndarray:
+    """float32 -> bfloat16 bit patterns (uint16), rounded to nearest even."""
+    import torch
+
+    return torch.from_numpy(np.ascontiguousarray(w, dtype=np.float32)).to(torch.bfloat16).view(torch.int16) \
+        .numpy().view(np.uint16)
+
+
+def to_bf16(w: np.ndarray) -> np.ndarray:
+    """float32 values rounded to bfloat16 and widened back: exactly what the bf16 kernels multiply by."""
+    return (bf16_bits(w).astype(np.uint32) << 16).view(np.float32)
+
+
+def tiles_for(panels: np.ndarray) -> np.ndarray:
+    """The kernels' addresses for panels of this type (float32 or bfloat16 bits)."""
+    k = kernels()
+    return k.addresses_bf16 if panels.dtype == np.uint16 else k.addresses
 
 
 def padded_width(panels: np.ndarray) -> int:
@@ -255,7 +294,7 @@ def matmul(x: np.ndarray, panels: np.ndarray, n_out: int, tiles: np.ndarray | No
     BLAS is faster, see `matmul_wt`)."""
     x = np.ascontiguousarray(x, dtype=np.float32)
     y = np.empty((x.shape[0], padded_width(panels)), dtype=np.float32)
-    mm_into(x, panels, y, kernels().addresses if tiles is None else tiles)
+    mm_into(x, panels, y, tiles_for(panels) if tiles is None else tiles)
     return y[:, :n_out]
 
 

@@ -147,7 +147,8 @@ if cpu_kernels.available():
     def layer_forward(x, rope, keys, values, start, mask, use_mask, attn_norm, wqkv, bqkv, bo, wo,  # pragma: no cover
                       mlp_norm, w_gate_up, w_down, eps, n_heads, n_kv, head_dim, hidden, tiles):
         """x (T, dim) -> the layer's output (T, dim); K/V of the T tokens written at slots start..
-        The four matrices come as `cpu_kernels.pack` panels; `tiles` are the kernels' addresses."""
+        The four matrices come as `cpu_kernels.pack` panels, all of one type; `tiles` are the addresses of
+        the kernels for that type (`cpu_kernels.tiles_for`)."""
         T, dim = x.shape
         h = np.empty((T, dim), dtype=np.float32)
         _rms_norm(x, attn_norm, eps, h)
@@ -199,7 +200,7 @@ class FusedBlock(Block):
             self.attn_norm.weight.numpy(), attn.wqkv.panels, *self._biases(), attn.wo.panels,
             self.mlp_norm.weight.numpy(), mlp.w_gate_up.panels, mlp.w_down.panels,
             self.attn_norm.eps, attn.n_heads, attn.n_kv, attn.head_dim, mlp.hidden_dim,
-            cpu_kernels.kernels().addresses)
+            cpu_kernels.tiles_for(attn.wqkv.panels))
         return torch.from_numpy(out)[None]  # (1, T, dim)
 
     def _biases(self) -> tuple[np.ndarray, np.ndarray]:

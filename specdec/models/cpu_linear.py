@@ -10,7 +10,9 @@ BLAS is still slow for 2 to 24 rows (verification passes); `NumbaLinear` fixes t
 
 from __future__ import annotations
 
+import functools
 import time
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -45,14 +47,22 @@ class NumpyLinear(nn.Module):
 
 class NumbaLinear(nn.Module):
     """x @ W^T through specdec's few-row kernels; W stays in torch's (out, in) layout and memory
-    (no copy, so tied embeddings stay shared)."""
+    (no copy, so tied embeddings stay shared).
 
-    def __init__(self, linear: nn.Linear) -> None:
+    `weights="bf16"` packs W as bfloat16 (half the bytes per pass: for drafters, whose guesses the
+    target checks anyway, never for the target) and rounds the float32 copy to the same values, so
+    prefill (BLAS) and the few-row kernels run one and the same model."""
+
+    def __init__(self, linear: nn.Linear, weights: str = "fp32") -> None:
         super().__init__()
+        if weights not in ("fp32", "bf16"):
+            raise ValueError(f"weights={weights!r}: fp32 or bf16")
         self.weight = linear.weight.detach()  # (out, in)
+        if weights == "bf16":  # a rounded copy: the original may be shared (tied embeddings)
+            self.weight = torch.from_numpy(cpu_kernels.to_bf16(self.weight.numpy()))
         self.weight_np: np.ndarray = self.weight.contiguous().numpy()
         # A second copy, packed for the few-row kernels; BLAS (prefill) and the embedding read the first.
-        self.panels: np.ndarray = cpu_kernels.pack(self.weight_np)  # (P, in, NB)
+        self.panels: np.ndarray = cpu_kernels.pack(self.weight_np, bf16=weights == "bf16")  # (P, in, NB)
         self.bias = None if linear.bias is None else linear.bias.detach()
         self.out_features = self.weight_np.shape[0]
 
@@ -70,8 +80,8 @@ def padded_rows(rows: int) -> int:
     return rows if rows == 1 or rows % 8 == 0 else (rows + 7) // 8 * 8
 
 
-def use_numpy_linears(module: nn.Module, kind: type[nn.Module] = NumpyLinear) -> int:
-    """Swap every fp32 CPU nn.Linear below `module` for `kind` (NumpyLinear or NumbaLinear);
+def use_numpy_linears(module: nn.Module, kind: Callable[[nn.Linear], nn.Module] = NumpyLinear) -> int:
+    """Swap every fp32 CPU nn.Linear below `module` for `kind(linear)` (NumpyLinear or NumbaLinear);
     returns how many were swapped."""
     swapped = 0
     for name, child in module.named_children():
@@ -83,10 +93,10 @@ def use_numpy_linears(module: nn.Module, kind: type[nn.Module] = NumpyLinear) ->
     return swapped
 
 
-def use_numba_linears(module: nn.Module) -> int:
+def use_numba_linears(module: nn.Module, weights: str = "fp32") -> int:
     if not cpu_kernels.available():
         raise ImportError("model.matmul=numba needs the numba package: pip install numba")
-    return use_numpy_linears(module, NumbaLinear)
+    return use_numpy_linears(module, functools.partial(NumbaLinear, weights=weights))
 
 
 def use_torch_linears(module: nn.Module) -> None:
@@ -124,14 +134,15 @@ def _step_time(model: nn.Module, threads: int, steps: int, width: int) -> float:
 MATMULS = ("torch", "numpy", "numba")
 
 
-def use_matmul(model: nn.Module, kind: str) -> None:
-    """Run `model`'s linears (and, for numba, whole decoder layers) the named way: torch, numpy, numba."""
+def use_matmul(model: nn.Module, kind: str, weights: str = "fp32") -> None:
+    """Run `model`'s linears (and, for numba, whole decoder layers) the named way: torch, numpy, numba.
+    `weights="bf16"`: numba's kernels over bfloat16 weights (see NumbaLinear); other kinds ignore it."""
     use_plain_blocks(model)
     use_torch_linears(model)
     if kind == "numpy":
         use_numpy_linears(model)
     elif kind == "numba":
-        use_numba_linears(model)
+        use_numba_linears(model, weights)
         use_fused_blocks(model)
 
 

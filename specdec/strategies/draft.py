@@ -96,12 +96,21 @@ class Drafter:
 
 def pick_greedy(logits: Tensor, token_ids: Tensor | None, target_vocab: int) -> tuple[int, float]:
     """A drafter's argmax over its rows (V_d,) as a target id, and its probability under the drafter."""
+    (tok, conf), _ = pick_two(logits, token_ids, target_vocab)
+    return tok, conf
+
+
+def pick_two(logits: Tensor, token_ids: Tensor | None,
+             target_vocab: int) -> tuple[tuple[int, float], tuple[int, float]]:
+    """A drafter's first and second choices over its rows (V_d,) as target ids, with their probabilities."""
     if token_ids is None:
         logits = logits[:target_vocab]
     probs = torch.softmax(logits.float(), -1)  # (V_d,) over the draft's own rows: cheap when reduced
-    row = int(probs.argmax())
-    tok = row if token_ids is None else int(token_ids[row])
-    return tok, float(probs[row])
+    top = probs.topk(2)
+    rows = top.indices.tolist()
+    toks = rows if token_ids is None else token_ids[top.indices].tolist()
+    p = top.values.tolist()
+    return (toks[0], p[0]), (toks[1], p[1])
 
 
 def to_target(logits: Tensor, token_ids: Tensor | None, target_vocab: int) -> Tensor:
@@ -118,6 +127,31 @@ def to_target(logits: Tensor, token_ids: Tensor | None, target_vocab: int) -> Te
 # --------------------------------------------------------------------------------------------------
 # Draft-length schedules (persistent across turns, like transformers' "heuristic")
 # --------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RoundStats:
+    """What a schedule learns from one verified round."""
+
+    drafted: int  # chain tokens drafted
+    accepted: int  # leading chain tokens the target accepted
+    confidences: list[float]  # the drafter's probability of each chain token
+    draft_s: float  # time spent drafting
+    target_s: float  # time of the target's pass
+    siblings: int = 0  # second choices verified beside the chain (temperature 0)
+    sibling_hit: bool = False  # the accepted path ended on a sibling: one token more than `accepted`
+    # (the drafter's probability of its second choice, whether the target chose it) at each depth reached
+    seconds: tuple[tuple[float, bool], ...] = ()
+
+    @property
+    def gained(self) -> int:
+        """Drafted tokens committed this round (the target's own token not counted)."""
+        return self.accepted + int(self.sibling_hit)
+
+    @property
+    def verified(self) -> int:
+        """Proposed tokens in the target's pass, besides the root."""
+        return self.drafted + self.siblings
 
 
 class DraftSchedule(ABC):
@@ -139,9 +173,13 @@ class DraftSchedule(ABC):
         """After drafting token number `drafted` whose draft probability was `confidence`."""
         return True
 
-    def update(self, drafted: int, accepted: int, confidences: list[float], draft_s: float,
-               target_s: float) -> None:
-        """After verification: drafted/accepted counts, the draft's confidences and the round's times."""
+    def branches(self, confidences: list[float], seconds: list[float], room: int) -> list[int]:
+        """Depths (0-based) at which the target should also check the drafter's second choice, at
+        most `room` of them (temperature 0 only; a schedule that never branches drafts chains)."""
+        return []
+
+    def update(self, stats: RoundStats) -> None:
+        """After verification: what was drafted and accepted, and the round's times."""
         return None  # fixed schedules learn nothing
 
 
@@ -170,9 +208,9 @@ class Heuristic(DraftSchedule):
     def longest(self) -> int:
         return self.max_gamma
 
-    def update(self, drafted: int, accepted: int, confidences: list[float], draft_s: float,
-               target_s: float) -> None:
-        self.gamma = min(self.max_gamma, self.gamma + 2) if accepted == drafted else max(1, self.gamma - 1)
+    def update(self, stats: RoundStats) -> None:
+        full = stats.accepted == stats.drafted
+        self.gamma = min(self.max_gamma, self.gamma + 2) if full else max(1, self.gamma - 1)
 
 
 class Confidence(DraftSchedule):
@@ -207,27 +245,44 @@ class CostAware(DraftSchedule):
     predicted from the current token's (confidence is autocorrelated along a chain); c and v from a
     running linear fit of the target pass's time against the tokens it verified, and the draft's
     time per token. `cost_ratio` and `verify_cost` are only the starting guesses.
+
+    At temperature 0 it may also branch: the drafter's second choice at depth j, verified beside the
+    chain token, adds one token when the target picks it, which happens with probability P(tokens
+    1..j-1 accepted) x P(target picks the second choice), for v more cost and no draft step. So it is
+    added iff that beats R v, the second choice's odds calibrated like the chain's (on a held-out-style
+    file the draft's second choice was the target's token 10% of the time, against 28% for its first).
+    `siblings` caps the branches per round (0: chains only).
     """
 
     def __init__(self, max_gamma: int = 12, cost_ratio: float = 0.1, verify_cost: float = 0.1,
-                 bins: int = 10, prior_weight: float = 4.0, momentum: float = 0.05) -> None:
-        if max_gamma < 1 or cost_ratio < 0 or verify_cost < 0 or bins < 1 or not 0 < momentum <= 1:
-            raise SpecdecError("strategy.schedule: max_gamma >= 1, cost_ratio >= 0, verify_cost >= 0, bins >= 1 "
-                               "and momentum in (0, 1] are required")
+                 bins: int = 10, prior_weight: float = 4.0, momentum: float = 0.05, siblings: int = 0) -> None:
+        if max_gamma < 1 or cost_ratio < 0 or verify_cost < 0 or bins < 1 or not 0 < momentum <= 1 or siblings < 0:
+            raise SpecdecError("strategy.schedule: max_gamma >= 1, cost_ratio >= 0, verify_cost >= 0, bins >= 1, "
+                               "momentum in (0, 1] and siblings >= 0 are required")
         self.max_gamma = max_gamma
+        self.max_siblings = siblings
         self.cost = cost_ratio  # c
         self.verify_cost = verify_cost  # v
         self.momentum = momentum
         centers = (torch.arange(bins, dtype=torch.float64) + 0.5) / bins
         self.hits = centers * prior_weight  # (bins,)
         self.tries = torch.full((bins,), prior_weight, dtype=torch.float64)
+        self.second_hits = self.hits.clone()  # the same calibration for the drafter's second choices
+        self.second_tries = self.tries.clone()
         self.rate = 1.0  # R: tokens per unit, autoregressive to start with
         self._chain = 1.0
         self._moments: list[float] | None = None  # running E[n], E[t], E[n^2], E[n t] of target passes
 
+    def _bin(self, p: float) -> int:
+        return min(int(p * len(self.tries)), len(self.tries) - 1)
+
     def accept_prob(self, confidence: float) -> float:
-        b = min(int(confidence * len(self.tries)), len(self.tries) - 1)
+        b = self._bin(confidence)
         return float(self.hits[b] / self.tries[b])
+
+    def second_prob(self, second: float) -> float:
+        b = self._bin(second)
+        return float(self.second_hits[b] / self.second_tries[b])
 
     def length(self) -> int:
         self._chain = 1.0
@@ -238,18 +293,32 @@ class CostAware(DraftSchedule):
         self._chain *= a
         return self._chain * a > self.rate * (self.cost + self.verify_cost)
 
-    def update(self, drafted: int, accepted: int, confidences: list[float], draft_s: float,
-               target_s: float) -> None:
-        for i, conf in enumerate(confidences[:accepted + 1]):  # tokens after the first rejection were never tested
-            b = min(int(conf * len(self.tries)), len(self.tries) - 1)
+    def branches(self, confidences: list[float], seconds: list[float], room: int) -> list[int]:
+        out: list[int] = []
+        reach = 1.0  # P(every chain token before this depth accepted)
+        for depth, (conf, second) in enumerate(zip(confidences, seconds)):
+            if len(out) == min(self.max_siblings, room):
+                break
+            if reach * self.second_prob(second) > self.rate * self.verify_cost:
+                out.append(depth)
+            reach *= self.accept_prob(conf)
+        return out
+
+    def update(self, stats: RoundStats) -> None:
+        for i, conf in enumerate(stats.confidences[:stats.accepted + 1]):  # after the first rejection: untested
+            b = self._bin(conf)
             self.tries[b] += 1
-            self.hits[b] += float(i < accepted)
+            self.hits[b] += float(i < stats.accepted)
+        for second, hit in stats.seconds:
+            b = self._bin(second)
+            self.second_tries[b] += 1
+            self.second_hits[b] += float(hit)
         m = self.momentum
-        if drafted and target_s > 0:
-            step = self._one_token_step(drafted + 1, target_s)
-            self.cost = (1 - m) * self.cost + m * (draft_s / drafted) / step
-        units = 1 + drafted * (self.cost + self.verify_cost)
-        self.rate = (1 - m) * self.rate + m * (1 + accepted) / units
+        if stats.drafted and stats.target_s > 0:
+            step = self._one_token_step(stats.verified + 1, stats.target_s)
+            self.cost = (1 - m) * self.cost + m * (stats.draft_s / stats.drafted) / step
+        units = 1 + stats.drafted * self.cost + stats.verified * self.verify_cost
+        self.rate = (1 - m) * self.rate + m * (1 + stats.gained) / units
 
     def _one_token_step(self, n: int, t: float) -> float:
         """Fit t = a + b n over recent target passes (n tokens verified); update v = b / (a + b) and
@@ -297,10 +366,12 @@ class SitOut(DraftSchedule):
     def keep_drafting(self, drafted: int, confidence: float) -> bool:
         return self.inner.keep_drafting(drafted, confidence)
 
-    def update(self, drafted: int, accepted: int, confidences: list[float], draft_s: float,
-               target_s: float) -> None:
-        self.inner.update(drafted, accepted, confidences, draft_s, target_s)
-        self.gate.record(1 + accepted, drafted, draft_s, target_s)
+    def branches(self, confidences: list[float], seconds: list[float], room: int) -> list[int]:
+        return self.inner.branches(confidences, seconds, room)
+
+    def update(self, stats: RoundStats) -> None:
+        self.inner.update(stats)
+        self.gate.record(1 + stats.gained, stats.verified, stats.draft_s, stats.target_s)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -314,14 +385,20 @@ class ChainRound:
 
     Shared by every proposer that drafts a chain from a drafter's logits (a draft model, an EAGLE-style
     drafter): greedy picks at temperature 0; at temperature > 0 samples from q, the drafter's
-    distribution warped like the target's p, kept for speculative sampling.
+    distribution warped like the target's p, kept for speculative sampling. At temperature 0 the
+    schedule may add the drafter's second choices as siblings of chain tokens (`DraftSchedule.branches`):
+    the proposal is then a small token tree, verified by greedy match like any tree (lossless); the
+    drafter's cache follows whichever path the target accepted (the proposers' commit compares ids).
     """
 
     schedule: DraftSchedule
     token_ids: Tensor | None  # (K,) target id of each drafter logit row; None = identity
     target_vocab: int
     confidences: list[float] = field(default_factory=list)
+    seconds: list[tuple[int, float]] = field(default_factory=list)  # (token, probability) of second choices
     drafted: int = 0
+    siblings: int = 0
+    room: int = 0
     draft_s: float = 0.0
     proposed_at: float = 0.0
 
@@ -329,6 +406,7 @@ class ChainRound:
         """How many tokens this round may draft: the schedule's, within the budget and the cache room."""
         budget = state.params.max_new_tokens - state.output_len - 1  # the target adds one token itself
         k_max = min(self.schedule.length(), budget, room)
+        self.room = room
         if k_max < 1:
             self.drafted = 0
         return k_max
@@ -341,9 +419,11 @@ class ChainRound:
         tokens: list[int] = []
         probs: list[Tensor] = []
         self.confidences = []
+        self.seconds = []
         while True:
             if sp.greedy:
-                tok, conf = pick_greedy(logits, self.token_ids, self.target_vocab)
+                (tok, conf), second = pick_two(logits, self.token_ids, self.target_vocab)
+                self.seconds.append(second)
             else:
                 q = warp(to_target(logits, self.token_ids, self.target_vocab), sp)  # (V_t,) warped like p
                 tok = sample(q, state.generator)
@@ -355,18 +435,32 @@ class ChainRound:
                 break
             logits = step(tok)
         self.drafted = len(tokens)
+        parents = list(range(len(tokens)))
+        if sp.greedy:  # siblings: second choices beside chain tokens (node j + 1 has parent j)
+            depths = self.schedule.branches(self.confidences, [p for _, p in self.seconds],
+                                            self.room - len(tokens))
+            tokens += [self.seconds[d][0] for d in depths]
+            parents += depths
+        self.siblings = len(tokens) - self.drafted
         self.proposed_at = time.perf_counter()
         self.draft_s = self.proposed_at - t0
-        return Proposal(tokens=torch.tensor(tokens), parents=list(range(len(tokens))),
+        return Proposal(tokens=torch.tensor(tokens), parents=parents,
                         probs=torch.stack(probs) if probs else None)
 
     def learn(self, verdict: Verdict) -> None:
         """After verification (call first in commit: the time since `draft` is the target's pass)."""
         if self.drafted:
             target_s = time.perf_counter() - self.proposed_at
-            self.schedule.update(self.drafted, len(verdict.nodes), self.confidences, self.draft_s, target_s)
+            accepted = 0
+            while accepted < len(verdict.nodes) and verdict.nodes[accepted] == accepted + 1:
+                accepted += 1
+            # verdict.tokens[d] is the target's token at depth d for every depth the path reached
+            reached = min(accepted + 1, self.drafted, len(self.seconds))
+            seconds = tuple((p, tok == verdict.tokens[d]) for d, (tok, p) in enumerate(self.seconds[:reached]))
+            self.schedule.update(RoundStats(
+                self.drafted, accepted, self.confidences, self.draft_s, target_s, self.siblings,
+                len(verdict.nodes) > accepted, seconds))
             self.drafted = 0
-
 
 @dataclass
 class DraftProposer:
