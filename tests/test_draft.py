@@ -151,6 +151,16 @@ def test_cost_aware_schedule() -> None:
     assert calib.cost == pytest.approx(0.05, rel=0.1)  # measured draft/target time ratio
 
 
+def test_cost_aware_reads_marginal_costs_off_the_pass_curve() -> None:
+    sched = CostAware(cost_ratio=0.05, siblings=2)
+    sched.curve = [1.0, 1.0, 1.0, 1.02, 1.10, 1.18]  # a CPU's: 2-3 tokens as cheap as one, then ~0.08 each
+    assert sched.verify_step(2) == pytest.approx(0.02) and sched.verify_step(3) == pytest.approx(0.08)
+    assert sched.verify_step(9) == pytest.approx(0.08) and sched.pass_cost(7) == pytest.approx(1.34)
+    # a second choice with a 5% chance (the prior at 0.06) pays beside a one-token chain, not beside three
+    assert sched.branches([0.3], [0.06], room=10) == [0]
+    assert sched.branches([0.9, 0.9, 0.3], [0.0, 0.0, 0.06], room=10) == []
+
+
 def test_cost_aware_measures_verification_cost() -> None:
     sched = CostAware(cost_ratio=1.0, verify_cost=0.0, momentum=0.1)
     for i in range(300):  # target pass: 20 ms + 4 ms per verified token; draft: 2.4 ms per token
@@ -178,9 +188,11 @@ def test_cost_aware_branches_where_a_second_choice_pays() -> None:
 def test_sibling_trees_reproduce_greedy_and_keep_caches_exact(target: LoadedModel, wrong_draft: LoadedModel,
                                                               near_draft: LoadedModel, which: str) -> None:
     draft = {"wrong": wrong_draft, "near": near_draft, "self": target}[which]
-    # free verification: a sibling at every depth the schedule drafts
-    strategy = DraftStrategy(target, "draft", draft, CostAware(max_gamma=3, cost_ratio=0.0, verify_cost=0.0,
-                                                                siblings=3), 512, 64)
+    # free verification (a flat pass-cost curve in place of the measured one): a sibling at every depth
+    schedule = CostAware(max_gamma=3, cost_ratio=0.0, verify_cost=0.0, siblings=3)
+    strategy = DraftStrategy(target, "draft", draft, schedule, 512, 64)
+    assert schedule.curve is not None and len(schedule.curve) == 8  # measured at start-up, sizes 1..7
+    schedule.curve = [1.0] * 8
     prompt = prompt_ids(target, PROMPTS[0])
     trees = sibling_wins = 0
     for state, proposal, verdict, proposer in speculative_rounds(strategy, prompt, 20, GenerationParams(300)):

@@ -10,7 +10,8 @@ from hypothesis import strategies as st
 from scipy.stats import chisquare
 from torch import Tensor
 
-from specdec.engine.sampling import SamplingParams, warp
+from specdec.engine.sampling import SamplingParams, check_finite, warp
+from specdec.errors import SpecdecError
 from specdec.trees import chain_parents
 from specdec.verify import Proposal, Verdict, verify, verify_deterministic, verify_greedy, verify_sampled_chain
 
@@ -211,3 +212,18 @@ def test_deterministic_chain_keeps_the_second_token_marginal() -> None:
             second.append(verdict.tokens[1])
     assert len(second) > N_SAMPLES * P[0, 0] * 0.9
     assert_follows(second, P[1])
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_check_finite_flags_any_bad_logit(bad: float) -> None:
+    logits = torch.randn(4, 300) * 30
+    check_finite(logits)  # large but finite logits pass
+    for row, col in ((0, 0), (3, 299), (2, 150)):
+        broken = logits.clone()
+        broken[row, col] = bad
+        with pytest.raises(SpecdecError, match="NaN or inf"):
+            check_finite(broken)
+    both = logits.clone()
+    both[1, 3], both[1, 4] = float("inf"), float("-inf")  # opposite infinities in one row still fail
+    with pytest.raises(SpecdecError, match="NaN or inf"):
+        check_finite(both)

@@ -252,6 +252,11 @@ class CostAware(DraftSchedule):
     added iff that beats R v, the second choice's odds calibrated like the chain's (on a held-out-style
     file the draft's second choice was the target's token 10% of the time, against 28% for its first).
     `siblings` caps the branches per round (0: chains only).
+
+    Given an engine (`calibrate`, as the strategies do), v is not one slope but the marginal cost read
+    off the target's pass-cost curve, measured at start-up: on a CPU a pass over 2 or 3 tokens costs
+    about what one does and each token after that ~0.07 more, so a second token or a sibling beside a
+    one-token chain is nearly free while the fifth is not. Without an engine v is the online fit's slope.
     """
 
     def __init__(self, max_gamma: int = 12, cost_ratio: float = 0.1, verify_cost: float = 0.1,
@@ -272,6 +277,31 @@ class CostAware(DraftSchedule):
         self.rate = 1.0  # R: tokens per unit, autoregressive to start with
         self._chain = 1.0
         self._moments: list[float] | None = None  # running E[n], E[t], E[n^2], E[n t] of target passes
+        self.curve: list[float] | None = None  # curve[n]: a pass over n tokens in one-token passes (n >= 1)
+
+    def calibrate(self, engine: Engine) -> None:
+        longest = min(self.max_gamma + self.max_siblings + 1, 16)  # timing every size up to a long cap is slow
+        measured = pass_cost_curve(engine, list(range(2, longest + 1)))
+        curve = [1.0, 1.0]
+        for n in range(2, longest + 1):  # non-decreasing: a dip is timing noise, not a cheaper pass
+            curve.append(max(curve[-1], measured[n]))
+        self.curve = curve
+
+    def verify_step(self, n: int) -> float:
+        """What one more token adds to a target pass over n tokens, in one-token passes."""
+        if self.curve is None:
+            return self.verify_cost
+        last = len(self.curve) - 1
+        if n >= last:  # past the measured sizes: the last measured step
+            return self.curve[last] - self.curve[last - 1]
+        return self.curve[n + 1] - self.curve[n]
+
+    def pass_cost(self, n: int) -> float:
+        """A target pass over n tokens, in one-token passes."""
+        if self.curve is None:
+            return 1 + self.verify_cost * (n - 1)
+        last = len(self.curve) - 1
+        return self.curve[min(n, last)] + max(0, n - last) * self.verify_step(last)
 
     def _bin(self, p: float) -> int:
         return min(int(p * len(self.tries)), len(self.tries) - 1)
@@ -291,7 +321,7 @@ class CostAware(DraftSchedule):
     def keep_drafting(self, drafted: int, confidence: float) -> bool:
         a = self.accept_prob(confidence)
         self._chain *= a
-        return self._chain * a > self.rate * (self.cost + self.verify_cost)
+        return self._chain * a > self.rate * (self.cost + self.verify_step(1 + drafted))
 
     def branches(self, confidences: list[float], seconds: list[float], room: int) -> list[int]:
         out: list[int] = []
@@ -299,7 +329,7 @@ class CostAware(DraftSchedule):
         for depth, (conf, second) in enumerate(zip(confidences, seconds)):
             if len(out) == min(self.max_siblings, room):
                 break
-            if reach * self.second_prob(second) > self.rate * self.verify_cost:
+            if reach * self.second_prob(second) > self.rate * self.verify_step(1 + len(confidences) + len(out)):
                 out.append(depth)
             reach *= self.accept_prob(conf)
         return out
@@ -317,7 +347,7 @@ class CostAware(DraftSchedule):
         if stats.drafted and stats.target_s > 0:
             step = self._one_token_step(stats.verified + 1, stats.target_s)
             self.cost = (1 - m) * self.cost + m * (stats.draft_s / stats.drafted) / step
-        units = 1 + stats.drafted * self.cost + stats.verified * self.verify_cost
+        units = stats.drafted * self.cost + self.pass_cost(1 + stats.verified)
         self.rate = (1 - m) * self.rate + m * (1 + stats.gained) / units
 
     def _one_token_step(self, n: int, t: float) -> float:
