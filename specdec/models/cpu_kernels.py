@@ -13,6 +13,9 @@ ahead, so that the extra rows' arithmetic hides under the weight stream instead 
 kernels before (a dot product per output, numba-vectorised over k) made a 4-token pass cost 1.07x (AMD
 EPYC) to 1.29x (Intel Xeon) a one-token pass; `python -m specdec.bench` gives the current curve.
 
+Drafters may keep their panels as bfloat16 (`pack(..., bf16=True)`): half the bytes to stream, each
+weight widened exactly to float32 in registers, so a draft step costs ~0.7x (the target stays float32).
+
 Exactness: every output is the chain y = fma(x[m, k], W[n, k], y) for k = 0, 1, ... in order, in every
 kernel, whatever the number of rows, the vector width or the panel. So a row's result is bitwise the
 same whichever rows share the call (tests/test_model.py checks), which lossless speculation relies
