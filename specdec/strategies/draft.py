@@ -492,6 +492,7 @@ class ChainRound:
                 len(verdict.nodes) > accepted, seconds))
             self.drafted = 0
 
+
 @dataclass
 class DraftProposer:
     """Drafts a chain with the draft's own cache; rolls that cache back to the committed prefix.
