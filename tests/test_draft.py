@@ -188,8 +188,15 @@ def test_cost_aware_branches_where_a_second_choice_pays() -> None:
 def test_sibling_trees_reproduce_greedy_and_keep_caches_exact(target: LoadedModel, wrong_draft: LoadedModel,
                                                               near_draft: LoadedModel, which: str) -> None:
     draft = {"wrong": wrong_draft, "near": near_draft, "self": target}[which]
+    class Recording(CostAware):
+        seen: list[RoundStats] = []
+
+        def update(self, stats: RoundStats) -> None:
+            self.seen.append(stats)
+            super().update(stats)
+
     # free verification (a flat pass-cost curve in place of the measured one): a sibling at every depth
-    schedule = CostAware(max_gamma=3, cost_ratio=0.0, verify_cost=0.0, siblings=3)
+    schedule = Recording(max_gamma=3, cost_ratio=0.0, verify_cost=0.0, siblings=3)
     strategy = DraftStrategy(target, "draft", draft, schedule, 512, 64)
     assert schedule.curve is not None and len(schedule.curve) == 8  # measured at start-up, sizes 1..7
     schedule.curve = [1.0] * 8
@@ -198,7 +205,15 @@ def test_sibling_trees_reproduce_greedy_and_keep_caches_exact(target: LoadedMode
     for state, proposal, verdict, proposer in speculative_rounds(strategy, prompt, 20, GenerationParams(300)):
         drafted = next((i for i, p in enumerate(proposal.parents) if p != i), len(proposal.parents))  # chain nodes
         trees += not proposal.is_chain
-        sibling_wins += bool(verdict.nodes) and verdict.nodes[-1] > drafted
+        won = bool(verdict.nodes) and verdict.nodes[-1] > drafted
+        sibling_wins += won
+        stats = schedule.seen[-1]  # what the schedule learnt from this round
+        assert stats.drafted == drafted and stats.siblings == len(proposal.parents) - drafted
+        assert stats.sibling_hit == won and stats.gained == len(verdict.nodes)
+        assert stats.accepted == len(verdict.nodes) - won  # the chain tokens before the sibling
+        assert len(stats.seconds) == min(stats.accepted + 1, drafted)  # the depths the target reached
+        if won:  # the target took the second choice at the depth where the chain failed
+            assert stats.seconds[-1][1]
         assert_kv_matches_fresh(strategy.engine, state.ids[:-1])
         assert proposer.fed == state.ids[:len(proposer.fed)]
         assert_kv_matches_fresh(strategy.drafter.engine, proposer.fed)
