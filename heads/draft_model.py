@@ -205,9 +205,9 @@ class SavedDrafter:
     def load(cls, path: str | Path, config: str, weights: str, fmt: str, alternative: str = "",
              compute: str = "fp32") -> Any:
         """The drafter saved in `path` (relative: the working directory, then the repository);
-        `compute`: the CPU kernels' weights, fp32 or bf16 (see `weights` above)."""
-        if compute not in ("fp32", "bf16"):
-            raise SpecdecError(f"the {cls.WHAT}'s weights={compute!r} is not fp32 or bf16; "
+        `compute`: the CPU kernels' weights, fp32, bf16 or int8 (see `weights` above)."""
+        if compute not in ("fp32", "bf16", "int8"):
+            raise SpecdecError(f"the {cls.WHAT}'s weights={compute!r} is not fp32, bf16 or int8; "
                                "e.g. strategy.draft.weights=bf16")
         folder = resolve_path(path)
         if not (folder / config).is_file() or not (folder / weights).is_file():

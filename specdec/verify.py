@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from specdec.engine.sampling import SamplingParams, sample, warp
+from specdec.engine.sampling import SamplingParams, argmax_rows, sample, warp
 from specdec.trees import children
 
 
@@ -47,7 +47,7 @@ def verify(proposal: Proposal, logits: Tensor, params: SamplingParams,
 
 def verify_greedy(proposal: Proposal, logits: Tensor) -> Verdict:
     """Keep the longest path whose every token equals the target's argmax after its parent."""
-    pred = logits.argmax(-1).tolist()  # (N+1,) target's next token after each node
+    pred = argmax_rows(logits)  # (N+1,) target's next token after each node
     tokens = proposal.tokens.tolist()
     kids = children(proposal.parents)
     path: list[int] = []

@@ -140,7 +140,7 @@ def test_bf16_kernels_equal_float_kernels_on_rounded_weights(isa: tuple[int, int
     rounded = cpu_kernels.to_bf16(w)
     assert not np.array_equal(rounded, w)
     assert np.all(np.abs(rounded - w) <= np.abs(w) * 2.0 ** -8)
-    half = cpu_kernels.pack(w, panel=k.isa.panel, bf16=True)
+    half = cpu_kernels.pack(w, panel=k.isa.panel, kind="bf16")
     assert half.dtype == np.uint16 and half.nbytes * 2 == cpu_kernels.pack(w, panel=k.isa.panel).nbytes
     for rows in (1, 2, 5, 8, 11):
         x = rng.standard_normal((rows, 576), dtype=np.float32)
@@ -148,6 +148,27 @@ def test_bf16_kernels_equal_float_kernels_on_rounded_weights(isa: tuple[int, int
         want = cpu_kernels.matmul(x, cpu_kernels.pack(rounded, panel=k.isa.panel), 70, tiles=k.addresses)
         assert np.array_equal(got, want), rows
         np.testing.assert_allclose(got, x @ rounded.T, rtol=1e-4, atol=1e-3)
+
+
+@needs_numba
+@pytest.mark.parametrize("isa", [None, (8, 2, 4, "haswell", "+avx,+avx2,+fma")], ids=["host", "avx2"])
+def test_int8_kernels_scale_exact_integer_sums(isa: tuple[int, int, int, str, str] | None) -> None:
+    """int8 panels hold q and a scale per output; the kernels sum x * q exactly as the float32 kernels
+    do on q as floats, then scale once: bitwise that, for any rows; q * scale is within half a step of w."""
+    k = cpu_kernels.kernels(None if isa is None else cpu_kernels.Isa(*isa))
+    rng = np.random.default_rng(6)
+    w = rng.standard_normal((70, 576), dtype=np.float32)
+    w[3] = 0.0  # an all-zero row gets a usable scale
+    q, scales = cpu_kernels.int8_rows(w)
+    assert q.dtype == np.int8 and np.all(np.abs(cpu_kernels.to_int8(w) - w) <= scales[:, None] / 2 + 1e-7)
+    panels = cpu_kernels.pack(w, panel=k.isa.panel, kind="int8")
+    assert panels.dtype == np.int8 and panels.shape[1] == 576 + cpu_kernels.SCALE_ROWS
+    for rows in (1, 2, 5, 8, 11):
+        x = rng.standard_normal((rows, 576), dtype=np.float32)
+        got = cpu_kernels.matmul(x, panels, 70, tiles=k.addresses_int8)
+        sums = cpu_kernels.matmul(x, cpu_kernels.pack(q.astype(np.float32), panel=k.isa.panel), 70, tiles=k.addresses)
+        assert np.array_equal(got, sums * scales), rows
+        np.testing.assert_allclose(got, x @ cpu_kernels.to_int8(w).T, rtol=1e-4, atol=1e-3)
 
 
 @needs_numba

@@ -120,16 +120,17 @@ def test_short_training_lowers_loss_and_ships_a_usable_draft(tmp_path: Path, dat
     other = load_model("tiny-wide", "builtin:tiny-llama", matmul="torch", tiny={"hidden_size": 32})
     with pytest.raises(SpecdecError, match="trained for tiny-llama"):
         draft.bind(other)
-    if cpu_kernels.available():  # bf16 weights in the CPU kernels: a different draft, the same output
+    if cpu_kernels.available():  # bf16 or int8 weights in the CPU kernels: a different draft, the same output
         fast_target = load_model("tiny-llama", "builtin:tiny-llama", matmul="numba")
-        half = load_draft(str(out), weights="bf16")
-        half_net = half.bind(fast_target)
-        assert half_net.lm_head.panels.dtype == np.uint16 and half_net.layers[0].attn.wqkv.panels.dtype == np.uint16
         fast_ref = Greedy(fast_target, "greedy", 512, 64).generate(prompt, GenerationParams(24), 0).output_ids
-        res = DraftStrategy(fast_target, "draft", half, FixedLength(3), 512, 64).generate(
-            prompt, GenerationParams(24), 0)
-        assert res.output_ids == fast_ref and res.accepted > 0
-    with pytest.raises(SpecdecError, match="not fp32 or bf16"):
+        for kind, dtype in (("bf16", np.uint16), ("int8", np.int8)):
+            rounded = load_draft(str(out), weights=kind)
+            rounded_net = rounded.bind(fast_target)
+            assert rounded_net.lm_head.panels.dtype == dtype and rounded_net.layers[0].attn.wqkv.panels.dtype == dtype
+            res = DraftStrategy(fast_target, "draft", rounded, FixedLength(3), 512, 64).generate(
+                prompt, GenerationParams(24), 0)
+            assert res.output_ids == fast_ref and res.accepted > 0, kind
+    with pytest.raises(SpecdecError, match="not fp32, bf16 or int8"):
         load_draft(str(out), weights="fp8")
 
 

@@ -13,8 +13,10 @@ ahead, so that the extra rows' arithmetic hides under the weight stream instead 
 kernels before (a dot product per output, numba-vectorised over k) made a 4-token pass cost 1.07x (AMD
 EPYC) to 1.29x (Intel Xeon) a one-token pass; `python -m specdec.bench` gives the current curve.
 
-Drafters may keep their panels as bfloat16 (`pack(..., bf16=True)`): half the bytes to stream, each
+Drafters may keep their panels as bfloat16 (`pack(..., kind="bf16")`): half the bytes to stream, each
 weight widened exactly to float32 in registers, so a draft step costs ~0.7x (the target stays float32).
+Or as int8 with a float32 scale per output column (`kind="int8"`): a quarter of the bytes; the
+kernel sums x * q exactly as floats and multiplies by the column's scale once, at the store.
 
 Exactness: every output is the chain y = fma(x[m, k], W[n, k], y) for k = 0, 1, ... in order, in every
 kernel, whatever the number of rows, the vector width or the panel. So a row's result is bitwise the
@@ -41,6 +43,8 @@ except ImportError:  # numba is a dependency, but a missing one only costs speed
 # Above this many rows BLAS's packed GEMM (compute-bound, prefill) is faster than these kernels.
 MAX_ROWS = 24
 PREFETCH_BYTES = 4096  # prefetch distance ahead of the loads (a scratch sweep of 1-16 KB on a Xeon)
+KINDS = ("fp32", "bf16", "int8")  # weight types the kernels read
+SCALE_ROWS = 4  # an int8 panel (K + 4, NB) ends with its NB float32 column scales, as 4 rows of bytes
 
 
 def available() -> bool:
@@ -81,25 +85,28 @@ def host_isa() -> Isa:
     return Isa(width, 2, rows, llvm.get_host_cpu_name(), features.flatten())
 
 
-def tile_ir(rows: int, isa: Isa, bf16: bool = False) -> str:
+def tile_ir(rows: int, isa: Isa, kind: str = "fp32") -> str:
     """LLVM IR of `tile{rows}(x, ldx, panels, y, ldy, K, p0, p1)`: y[m, p*NB:(p+1)*NB] = x[m] @ panel p
     for m < rows and panels p0..p1-1. The accumulators are SSA values, so LLVM keeps them in registers.
 
-    `bf16`: `tile{rows}_bf16` reads panels of bfloat16 weights (the top half of a float32's bits), half
-    the bytes to stream, and widens each to float32 exactly (a shift) before the same fma chain."""
+    `kind="bf16"`: `tile{rows}_bf16` reads panels of bfloat16 weights (the top half of a float32's bits),
+    half the bytes to stream, and widens each to float32 exactly (a shift) before the same fma chain.
+    `kind="int8"`: `tile{rows}_int8` reads int8 weights (exact as floats), a quarter of the bytes, and
+    multiplies each finished sum by its column's scale, stored after the panel's K rows."""
     W, V, NB = isa.width, isa.vectors, isa.panel
     vt = f"<{W} x float>"
-    et, esize = ("i16", 2) if bf16 else ("float", 4)
+    et, esize = {"fp32": ("float", 4), "bf16": ("i16", 2), "int8": ("i8", 1)}[kind]
     acc = [(m, j) for m in range(rows) for j in range(V)]
     body = [
-        f"define void @{tile_name(rows, bf16)}(ptr noalias readonly %x, i64 %ldx, ptr noalias readonly %w,",
+        f"define void @{tile_name(rows, kind)}(ptr noalias readonly %x, i64 %ldx, ptr noalias readonly %w,",
         "                         ptr noalias %y, i64 %ldy, i64 %K, i64 %p0, i64 %p1) nounwind {",
         "entry:",
+        f"  %KP = add i64 %K, {SCALE_ROWS if kind == 'int8' else 0}",
         "  %none = icmp sge i64 %p0, %p1",
         "  br i1 %none, label %done, label %panel",
         "panel:",
         "  %p = phi i64 [ %p0, %entry ], [ %pnext, %store ]",
-        "  %pk = mul i64 %p, %K",
+        "  %pk = mul i64 %p, %KP",
         f"  %pbase = mul i64 %pk, {NB}",
         "  br label %step",
         "step:",
@@ -112,11 +119,15 @@ def tile_ir(rows: int, isa: Isa, bf16: bool = False) -> str:
     for j in range(V):
         body += [f"  %wo{j} = add i64 %woff, {j * W}",
                  f"  %wp{j} = getelementptr inbounds {et}, ptr %w, i64 %wo{j}"]
-        if bf16:
+        if kind == "bf16":
             body += [f"  %wh{j} = load <{W} x i16>, ptr %wp{j}, align 2",
                      f"  %wz{j} = zext <{W} x i16> %wh{j} to <{W} x i32>",
                      f"  %ws{j} = shl <{W} x i32> %wz{j}, {sixteen}",
                      f"  %w{j} = bitcast <{W} x i32> %ws{j} to {vt}"]
+        elif kind == "int8":
+            body += [f"  %wb{j} = load <{W} x i8>, ptr %wp{j}, align 1",
+                     f"  %wx{j} = sext <{W} x i8> %wb{j} to <{W} x i32>",
+                     f"  %w{j} = sitofp <{W} x i32> %wx{j} to {vt}"]
         else:
             body += [f"  %w{j} = load {vt}, ptr %wp{j}, align 4"]
     for line in range(max(1, NB * esize // 64)):  # one prefetch per 64-byte line of this step's loads, a few KB ahead
@@ -137,12 +148,22 @@ def tile_ir(rows: int, isa: Isa, bf16: bool = False) -> str:
              "  br i1 %kend, label %store, label %step",
              "store:",
              f"  %col = mul i64 %p, {NB}"]
+    out = {(m, j): f"%b{m}_{j}" for m, j in acc}
+    if kind == "int8":  # the column scales follow the panel's K x NB weights
+        body += [f"  %kn = mul i64 %K, {NB}", "  %soff = add i64 %pbase, %kn"]
+        for j in range(V):
+            body += [f"  %so{j} = add i64 %soff, {4 * j * W}",
+                     f"  %sp{j} = getelementptr inbounds i8, ptr %w, i64 %so{j}",
+                     f"  %s{j} = load {vt}, ptr %sp{j}, align 4"]
+        for m, j in acc:
+            body.append(f"  %o{m}_{j} = fmul {vt} %b{m}_{j}, %s{j}")
+            out[m, j] = f"%o{m}_{j}"
     for m in range(rows):
         body += [f"  %yr{m} = mul i64 {m}, %ldy", f"  %yb{m} = add i64 %yr{m}, %col"]
         for j in range(V):
             body += [f"  %yo{m}_{j} = add i64 %yb{m}, {j * W}",
                      f"  %yp{m}_{j} = getelementptr inbounds float, ptr %y, i64 %yo{m}_{j}",
-                     f"  store {vt} %b{m}_{j}, ptr %yp{m}_{j}, align 4"]
+                     f"  store {vt} {out[m, j]}, ptr %yp{m}_{j}, align 4"]
     body += ["  %pnext = add i64 %p, 1",
              "  %pend = icmp eq i64 %pnext, %p1",
              "  br i1 %pend, label %done, label %panel",
@@ -152,29 +173,29 @@ def tile_ir(rows: int, isa: Isa, bf16: bool = False) -> str:
     return "\n".join(body)
 
 
-def tile_name(rows: int, bf16: bool = False) -> str:
-    return f"tile{rows}_bf16" if bf16 else f"tile{rows}"
+def tile_name(rows: int, kind: str = "fp32") -> str:
+    return f"tile{rows}" if kind == "fp32" else f"tile{rows}_{kind}"
 
 
 class TileKernels:
-    """The 1..isa.rows-row tile kernels compiled for `isa`; `addresses[r - 1]` is the r-row kernel over
-    float32 panels, `addresses_bf16[r - 1]` the one over bfloat16 panels."""
+    """The 1..isa.rows-row tile kernels compiled for `isa`; `by_kind[kind][r - 1]` is the address of the
+    r-row kernel over panels of that kind (`addresses`: float32, `addresses_bf16`, `addresses_int8`)."""
 
     def __init__(self, isa: Isa) -> None:
         W = isa.width
         source = "\n".join([
             "declare void @llvm.prefetch.p0(ptr, i32, i32, i32)",
             f"declare <{W} x float> @llvm.fma.v{W}f32(<{W} x float>, <{W} x float>, <{W} x float>)",
-            *(tile_ir(r, isa, bf16) for bf16 in (False, True) for r in range(1, isa.rows + 1))])
+            *(tile_ir(r, isa, kind) for kind in KINDS for r in range(1, isa.rows + 1))])
         module = llvm.parse_assembly(source)
         module.verify()
         machine = llvm.Target.from_default_triple().create_target_machine(cpu=isa.cpu, features=isa.features, opt=3)
         self.isa = isa
         self._engine = llvm.create_mcjit_compiler(module, machine)  # owns the code: keep it alive
         self._engine.finalize_object()
-        self.addresses, self.addresses_bf16 = (
-            np.array([self._engine.get_function_address(tile_name(r, bf16)) for r in range(1, isa.rows + 1)],
-                     dtype=np.int64) for bf16 in (False, True))
+        self.by_kind = {kind: np.array([self._engine.get_function_address(tile_name(r, kind))
+                                        for r in range(1, isa.rows + 1)], dtype=np.int64) for kind in KINDS}
+        self.addresses, self.addresses_bf16, self.addresses_int8 = (self.by_kind[k] for k in KINDS)
         self.assembly = machine.emit_assembly(module)
 
 
@@ -256,16 +277,39 @@ def describe() -> str:
     return f"tiles up to {isa.rows}x{isa.panel}, f32x{isa.width}, {isa.cpu}"
 
 
-def pack(w: np.ndarray, panel: int | None = None, bf16: bool = False) -> np.ndarray:
-    """(N, K) float32 -> (ceil(N / NB), K, NB) panels, zero-padded past N; float32, or with `bf16`
-    bfloat16 bit patterns (uint16, rounded to nearest even: `to_bf16`)."""
+def pack(w: np.ndarray, panel: int | None = None, kind: str = "fp32") -> np.ndarray:
+    """(N, K) float32 -> (ceil(N / NB), K, NB) panels, zero-padded past N: float32; bfloat16 bit patterns
+    (uint16, rounded to nearest even: `to_bf16`); or int8 (`int8_rows`), each panel followed by its NB
+    column scales as SCALE_ROWS rows of bytes: (P, K + SCALE_ROWS, NB)."""
     nb = panel or kernels().isa.panel
     n, k = w.shape
     p = -(-n // nb)
-    padded = np.zeros((p * nb, k), dtype=np.float32)
-    padded[:n] = w
+    q, scales = int8_rows(w) if kind == "int8" else (w, None)
+    padded = np.zeros((p * nb, k), dtype=q.dtype)
+    padded[:n] = q
     panels = np.ascontiguousarray(padded.reshape(p, nb, k).transpose(0, 2, 1))
-    return bf16_bits(panels) if bf16 else panels
+    if kind == "bf16":
+        return bf16_bits(panels)
+    if kind == "int8":
+        col = np.ones(p * nb, dtype=np.float32)
+        col[:n] = scales
+        return np.concatenate([panels, col.reshape(p, 1, nb).view(np.int8).reshape(p, SCALE_ROWS, nb)], axis=1)
+    return panels
+
+
+def int8_rows(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """float32 (N, K) -> int8 (N, K) and float32 scales (N,), per row symmetric: w ~ q * scale[:, None]."""
+    w = np.asarray(w, dtype=np.float32)
+    top = np.abs(w).max(axis=1)
+    scales = np.where(top > 0, top / np.float32(127), np.float32(1)).astype(np.float32)
+    q = np.clip(np.rint(w / scales[:, None]), -127, 127).astype(np.int8)
+    return q, scales
+
+
+def to_int8(w: np.ndarray) -> np.ndarray:
+    """float32 values replaced by their int8 approximations q * scale, the weights the int8 kernels use."""
+    q, scales = int8_rows(w)
+    return q.astype(np.float32) * scales[:, None]
 
 
 def bf16_bits(w: np.ndarray) -> np.ndarray:
@@ -281,10 +325,13 @@ def to_bf16(w: np.ndarray) -> np.ndarray:
     return (bf16_bits(w).astype(np.uint32) << 16).view(np.float32)
 
 
+def panel_kind(panels: np.ndarray) -> str:
+    return {np.dtype(np.uint16): "bf16", np.dtype(np.int8): "int8"}.get(panels.dtype, "fp32")
+
+
 def tiles_for(panels: np.ndarray) -> np.ndarray:
-    """The kernels' addresses for panels of this type (float32 or bfloat16 bits)."""
-    k = kernels()
-    return k.addresses_bf16 if panels.dtype == np.uint16 else k.addresses
+    """The kernels' addresses for panels of this type (float32, bfloat16 bits or int8)."""
+    return kernels().by_kind[panel_kind(panels)]
 
 
 def padded_width(panels: np.ndarray) -> int:

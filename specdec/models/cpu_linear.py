@@ -49,20 +49,23 @@ class NumbaLinear(nn.Module):
     """x @ W^T through specdec's few-row kernels; W stays in torch's (out, in) layout and memory
     (no copy, so tied embeddings stay shared).
 
-    `weights="bf16"` packs W as bfloat16 (half the bytes per pass: for drafters, whose guesses the
-    target checks anyway, never for the target) and rounds the float32 copy to the same values, so
-    prefill (BLAS) and the few-row kernels run one and the same model."""
+    `weights="bf16"` packs W as bfloat16 (half the bytes per pass) and `weights="int8"` as int8 with a
+    scale per output (a quarter): for drafters, whose guesses the target checks anyway, never for the
+    target. The float32 copy is replaced by the same rounded values, so prefill (BLAS) and the few-row
+    kernels run one model (to rounding: int8 kernels scale each sum once at the end)."""
 
     def __init__(self, linear: nn.Linear, weights: str = "fp32") -> None:
         super().__init__()
-        if weights not in ("fp32", "bf16"):
-            raise ValueError(f"weights={weights!r}: fp32 or bf16")
+        if weights not in cpu_kernels.KINDS:
+            raise ValueError(f"weights={weights!r}: one of {', '.join(cpu_kernels.KINDS)}")
         self.weight = linear.weight.detach()  # (out, in)
-        if weights == "bf16":  # a rounded copy: the original may be shared (tied embeddings)
-            self.weight = torch.from_numpy(cpu_kernels.to_bf16(self.weight.numpy()))
+        packed_from = self.weight.contiguous().numpy()
+        rounding = {"bf16": cpu_kernels.to_bf16, "int8": cpu_kernels.to_int8}.get(weights)
+        if rounding is not None:  # a rounded copy: the original may be shared (tied embeddings)
+            self.weight = torch.from_numpy(rounding(packed_from))
         self.weight_np: np.ndarray = self.weight.contiguous().numpy()
         # A second copy, packed for the few-row kernels; BLAS (prefill) and the embedding read the first.
-        self.panels: np.ndarray = cpu_kernels.pack(self.weight_np, bf16=weights == "bf16")  # (P, in, NB)
+        self.panels: np.ndarray = cpu_kernels.pack(packed_from, kind=weights)  # (P, in, NB) (+ scales)
         self.bias = None if linear.bias is None else linear.bias.detach()
         self.out_features = self.weight_np.shape[0]
 
@@ -136,7 +139,7 @@ MATMULS = ("torch", "numpy", "numba")
 
 def use_matmul(model: nn.Module, kind: str, weights: str = "fp32") -> None:
     """Run `model`'s linears (and, for numba, whole decoder layers) the named way: torch, numpy, numba.
-    `weights="bf16"`: numba's kernels over bfloat16 weights (see NumbaLinear); other kinds ignore it."""
+    `weights="bf16"` or `"int8"`: numba's kernels over rounded weights (see NumbaLinear); other kinds ignore it."""
     use_plain_blocks(model)
     use_torch_linears(model)
     if kind == "numpy":

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -156,10 +156,20 @@ class Block(nn.Module):
         return x + self.mlp(self.mlp_norm(x))
 
 
+class WholePass(Protocol):
+    """A faster way to run the whole stack for some inputs (cpu_layer.FusedStack: CPU, a few tokens)."""
+
+    def takes(self, tokens: Tensor) -> bool: ...
+
+    def __call__(self, model: Llama, tokens: Tensor, positions: Tensor, cache: KVCache,
+                 mask: Tensor | None) -> Tensor: ...
+
+
 class Llama(nn.Module):
     def __init__(self, args: LlamaArgs) -> None:
         super().__init__()
         self.args = args
+        self.fused: WholePass | None = None  # set by cpu_layer.use_fused_blocks
         self.embed = nn.Embedding(args.vocab_size, args.dim)
         self.layers = nn.ModuleList(Block(args, i) for i in range(args.n_layers))
         self.norm = RMSNorm(args.dim, args.norm_eps)
@@ -191,12 +201,15 @@ class Llama(nn.Module):
         final-norm hidden states (B, T, dim).
         """
         cache.reserve(tokens.shape[1])
-        freqs = self.rope(positions)
-        x = self.embed(tokens)  # (B, T, dim)
-        for block in self.layers:
-            x = block(x, freqs, cache, mask)
+        if self.fused is not None and self.fused.takes(tokens):
+            h = self.fused(self, tokens, positions, cache, mask)
+        else:
+            freqs = self.rope(positions)
+            x = self.embed(tokens)  # (B, T, dim)
+            for block in self.layers:
+                x = block(x, freqs, cache, mask)
+            h = self.norm(x)
         cache.advance(tokens.shape[1])
-        h = self.norm(x)
         # A sliced (B, T', D) view is not contiguous when B > 1; torch would run it as a bmm against B
         # expanded copies of the output head (most of a batched prefill in a profile), so copy the rows instead.
         return self.lm_head(h[:, logits_from:].contiguous()), h

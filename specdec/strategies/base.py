@@ -17,7 +17,7 @@ from typing import Any, Protocol
 import torch
 
 from specdec.engine.engine import Engine, ForwardOut, HFEngine, StaticEngine
-from specdec.engine.sampling import SamplingParams, check_finite, sample, warp
+from specdec.engine.sampling import SamplingParams, argmax_id, check_finite, sample, warp
 from specdec.models.loader import LoadedModel
 from specdec.trees import tree_depth, tree_mask
 from specdec.verify import Proposal, Verdict, verify
@@ -131,7 +131,7 @@ class SpeculativeStrategy(Strategy):
     def _pick(self, logits: torch.Tensor, state: DecodeState) -> int:
         sp = state.params.sampling
         if sp.greedy:
-            return int(logits.argmax())
+            return argmax_id(logits)
         return sample(warp(logits, sp), state.generator)
 
     def _generate(self, prompt_ids: list[int], params: GenerationParams, seed: int) -> TurnResult:

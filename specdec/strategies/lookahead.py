@@ -28,6 +28,7 @@ import torch
 from torch import Tensor
 
 from specdec.engine.engine import ForwardOut
+from specdec.engine.sampling import argmax_rows
 from specdec.errors import SpecdecError
 from specdec.models.loader import LoadedModel
 from specdec.ngram import ContextPool, NGramPool, as_tokens, candidates_to_tree
@@ -146,7 +147,7 @@ class LookaheadProposer:
             idx = [0] + [base + window_index(W, 0, c) for c in range(1, W)]
         else:
             idx = [base + window_index(W, rows - 1, c) for c in range(W)]
-        new = logits[idx].argmax(-1).tolist()
+        new = argmax_rows(logits[idx])
         if rows < self.N - 1:  # still filling the window
             self.rows.append(new)
             return
