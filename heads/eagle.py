@@ -51,12 +51,9 @@ class EagleNet(Llama):
     def forward(self, tokens: Tensor, features: Tensor, positions: Tensor, cache: Any,  # type: ignore[override]
                 mask: Tensor | None = None, logits_from: int = 0) -> tuple[Tensor, Tensor]:
         cache.reserve(tokens.shape[1])
-        freqs = self.rope(positions)
         x = self.fc(torch.cat([self.embed(tokens), features.to(self.dtype)], -1))  # (B, T, D)
-        for block in self.layers:
-            x = block(x, freqs, cache, mask)
+        h = self.run_layers(x, positions, cache, mask)
         cache.advance(tokens.shape[1])
-        h = self.norm(x)
         return self.lm_head(h[:, logits_from:]), h
 
 

@@ -257,8 +257,8 @@ class FusedStack:
         self.norm_eps = model.norm.eps
         self._rope = np.empty((0, self.head_dim // 2, 2), dtype=np.float32)
 
-    def takes(self, tokens: Tensor) -> bool:
-        return tokens.shape[0] == 1 and tokens.shape[1] <= cpu_kernels.MAX_ROWS
+    def takes(self, x: Tensor) -> bool:
+        return x.shape[0] == 1 and x.shape[1] <= cpu_kernels.MAX_ROWS
 
     def rope(self, model: Llama, positions: np.ndarray) -> np.ndarray:
         """cos/sin (T, D/2, 2) of `positions` (T,), read from a table grown by doubling."""
@@ -269,15 +269,15 @@ class FusedStack:
             self._rope = torch.view_as_real(freqs[0, :, 0]).numpy().copy()  # (size, D/2, 2)
         return self._rope[positions]
 
-    def __call__(self, model: Llama, tokens: Tensor, positions: Tensor, cache: KVCache,
+    def __call__(self, model: Llama, x: Tensor, positions: Tensor, cache: KVCache,
                  mask: Tensor | None) -> Tensor:
-        """Final-norm hidden states (1, T, dim) of `tokens` (1, T); their K/V written to the cache."""
-        x = np.ascontiguousarray(model.embed(tokens)[0].numpy())  # (T, dim)
+        """Final-norm hidden states (1, T, dim) of the layers' input x (1, T, dim); K/V written to the cache."""
         rope = self.rope(model, positions[0].numpy())
         no_mask = mask is None
         m = FusedBlock._all_visible if no_mask else mask[0, 0].numpy()  # (T, S)
         h = stack_forward(
-            x, rope, cache.k.numpy()[:, 0], cache.v.numpy()[:, 0], cache.lengths[0], m, not no_mask,
+            np.ascontiguousarray(x[0].numpy()), rope, cache.k.numpy()[:, 0], cache.v.numpy()[:, 0],
+            cache.lengths[0], m, not no_mask,
             self.attn_norms, self.wqkv, self.bqkv, self.bo, self.wo, self.mlp_norms, self.w_gate_up,
             self.w_down, self.norm, self.norm_eps, self.n_heads, self.n_kv, self.head_dim, self.hidden, self.tiles)
         return torch.from_numpy(h)[None]

@@ -159,10 +159,10 @@ class Block(nn.Module):
 class WholePass(Protocol):
     """A faster way to run the whole stack for some inputs (cpu_layer.FusedStack: CPU, a few tokens)."""
 
-    def takes(self, tokens: Tensor) -> bool: ...
+    def takes(self, x: Tensor) -> bool: ...  # x: (B, T, dim), the layers' input
 
-    def __call__(self, model: Llama, tokens: Tensor, positions: Tensor, cache: KVCache,
-                 mask: Tensor | None) -> Tensor: ...
+    def __call__(self, model: Llama, x: Tensor, positions: Tensor, cache: KVCache,
+                 mask: Tensor | None) -> Tensor: ...  # -> final-norm hidden states (B, T, dim)
 
 
 class Llama(nn.Module):
@@ -201,18 +201,20 @@ class Llama(nn.Module):
         final-norm hidden states (B, T, dim).
         """
         cache.reserve(tokens.shape[1])
-        if self.fused is not None and self.fused.takes(tokens):
-            h = self.fused(self, tokens, positions, cache, mask)
-        else:
-            freqs = self.rope(positions)
-            x = self.embed(tokens)  # (B, T, dim)
-            for block in self.layers:
-                x = block(x, freqs, cache, mask)
-            h = self.norm(x)
+        h = self.run_layers(self.embed(tokens), positions, cache, mask)  # (B, T, dim)
         cache.advance(tokens.shape[1])
         # A sliced (B, T', D) view is not contiguous when B > 1; torch would run it as a bmm against B
         # expanded copies of the output head (most of a batched prefill in a profile), so copy the rows instead.
         return self.lm_head(h[:, logits_from:].contiguous()), h
+
+    def run_layers(self, x: Tensor, positions: Tensor, cache: KVCache, mask: Tensor | None) -> Tensor:
+        """The layers and the final norm over inputs x (B, T, dim) -> hidden states (B, T, dim)."""
+        if self.fused is not None and self.fused.takes(x):
+            return self.fused(self, x, positions, cache, mask)
+        freqs = self.rope(positions)
+        for block in self.layers:
+            x = block(x, freqs, cache, mask)
+        return self.norm(x)
 
     def load_hf_state_dict(self, sd: dict[str, Tensor]) -> None:
         """Copy tensors named as in Hugging Face checkpoints, fusing the projections we fuse."""
