@@ -123,14 +123,18 @@ class MedusaHeads(nn.Module):
             self.register_buffer("proj", w, persistent=False)  # (V', dim), frozen, not saved
         self.proj_panels: np.ndarray | None = None  # set by `use_cpu_kernels`
 
-    def use_cpu_kernels(self) -> None:
-        """Run the shared projection at inference through specdec's few-row CPU kernels, as the target does.
+    def use_cpu_kernels(self, weights: str = "fp32") -> None:
+        """Run the shared projection at inference through specdec's few-row CPU kernels, as the target does;
+        `weights`: the copy they stream, fp32, bf16 or int8 (cpu_kernels.pack).
 
         Why: torch runs single-threaded beside those kernels (see `LoadedModel.torch_threads`), and the
-        projection streams the whole kept-vocabulary matrix each step for a handful of rows.
+        projection streams the whole kept-vocabulary matrix each step for a handful of rows. The heads
+        only propose candidates that the target verifies, so a rounded copy changes speed, not output.
         """
+        if weights not in cpu_kernels.KINDS:
+            raise SpecdecError(f"strategy.heads.weights={weights!r} is not one of {', '.join(cpu_kernels.KINDS)}")
         if self.proj.ndim == 2 and self.proj.device.type == "cpu" and cpu_kernels.available():
-            self.proj_panels = cpu_kernels.pack(self.proj.contiguous().numpy())
+            self.proj_panels = cpu_kernels.pack(self.proj.contiguous().numpy(), kind=weights)
 
     @property
     def num_heads(self) -> int:
@@ -197,16 +201,17 @@ def check_match(cfg: MedusaConfig, target: LoadedModel, where: str) -> None:
                            "they were trained for")
 
 
-def load_heads(target: LoadedModel, path: str | Path) -> MedusaHeads:
-    """Heads saved by `MedusaHeads.save`, checked against the target they will run on."""
+def load_heads(target: LoadedModel, path: str | Path, weights: str = "fp32") -> MedusaHeads:
+    """Heads saved by `MedusaHeads.save`, checked against the target they will run on; `weights`: see
+    `MedusaHeads.use_cpu_kernels`."""
     from safetensors.torch import load_file
 
     folder = Path(path).expanduser()
     repo_root = Path(__file__).resolve().parent.parent
     if not folder.is_absolute() and not folder.exists() and (repo_root / folder).exists():
         folder = repo_root / folder  # configs name checkpoints relative to the repository
-    cfg_file, weights = folder / CONFIG_FILE, folder / WEIGHTS_FILE
-    if not cfg_file.is_file() or not weights.is_file():
+    cfg_file, weights_file = folder / CONFIG_FILE, folder / WEIGHTS_FILE
+    if not cfg_file.is_file() or not weights_file.is_file():
         raise SpecdecError(f"no Medusa heads in {folder} (needs {CONFIG_FILE} and {WEIGHTS_FILE}); train them with "
                            f"`python -m heads.train head=medusa model={target.name}` or set strategy.heads.path")
     try:
@@ -217,31 +222,33 @@ def load_heads(target: LoadedModel, path: str | Path) -> MedusaHeads:
         raise SpecdecError(f"{cfg_file} is not a Medusa heads config ({type(e).__name__}: {e}); "
                            "retrain the heads") from None
     check_match(cfg, target, str(folder))
-    state = load_file(str(weights))
+    state = load_file(str(weights_file))
     heads = MedusaHeads(cfg, output_weight(target), state.get("kept_ids") if cfg.head_vocab is not None else None)
     missing, unexpected = heads.load_state_dict(state, strict=False)
     if missing or unexpected:
-        raise SpecdecError(f"{weights} does not fit its config (missing {missing[:3]}, unexpected "
+        raise SpecdecError(f"{weights_file} does not fit its config (missing {missing[:3]}, unexpected "
                            f"{unexpected[:3]}); retrain the heads")
-    return _for_inference(heads, target)
+    return _for_inference(heads, target, weights)
 
 
-def _for_inference(heads: MedusaHeads, target: LoadedModel) -> MedusaHeads:
+def _for_inference(heads: MedusaHeads, target: LoadedModel, weights: str = "fp32") -> MedusaHeads:
     heads.eval().requires_grad_(False)
     if target.matmul == "numba":
-        heads.use_cpu_kernels()
+        heads.use_cpu_kernels(weights)
     return heads
 
 
 def medusa_heads(target: LoadedModel, path: str | None = None, num_heads: int = 4, num_layers: int = 1,
-                 projection: str = "shared", head_vocab: int | None = None, seed: int | None = None) -> MedusaHeads:
+                 projection: str = "shared", head_vocab: int | None = None, seed: int | None = None,
+                 weights: str = "fp32") -> MedusaHeads:
     """Strategy config entry (`strategy.heads`): trained heads from `path`, or untrained ones when path is null.
 
     Untrained heads start as copies of the target's own head (zero-initialised blocks); `seed` gives
-    them random blocks instead, which tests use to get wrong guesses on purpose.
+    them random blocks instead, which tests use to get wrong guesses on purpose. `weights`: the CPU
+    kernels' copy of the shared projection (`MedusaHeads.use_cpu_kernels`).
     """
     if path:
-        return load_heads(target, path)
+        return load_heads(target, path, weights)
     cfg = new_config(target, num_heads, num_layers, projection, head_vocab)
     kept = torch.arange(cfg.head_vocab) if cfg.head_vocab is not None else None
     heads = MedusaHeads(cfg, output_weight(target), kept)
@@ -251,4 +258,4 @@ def medusa_heads(target: LoadedModel, path: str | None = None, num_heads: int = 
             for name, p in heads.named_parameters():
                 if name.startswith("blocks."):
                     p.copy_(torch.randn(p.shape, generator=gen) / p.shape[-1] ** 0.5)
-    return _for_inference(heads, target)
+    return _for_inference(heads, target, weights)

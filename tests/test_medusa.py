@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from helpers import assert_cache_matches_fresh, chain_forward, random_ids, tiny_train_overrides
@@ -99,6 +100,16 @@ def test_topk_runs_only_the_heads_asked_for(tiny_target: LoadedModel, projection
     heads.use_cpu_kernels()  # the target's few-row CPU kernels for the shared projection (a no-op for "own")
     assert (heads.proj_panels is not None) == (projection == "shared" and cpu_kernels.available())
     assert torch.equal(heads.topk(h, 4, depth=1), want[:1])
+    if heads.proj_panels is not None:  # an int8 copy ranks by the rounded projection
+        heads.use_cpu_kernels("int8")
+        assert heads.proj_panels.dtype == np.int8
+        rounded = cpu_kernels.to_int8(heads.proj.numpy())
+        features = torch.stack([blocks(h) for blocks in heads.blocks[:2]]).numpy()  # (2, dim)
+        logits = cpu_kernels.matmul(features, heads.proj_panels, len(rounded))
+        np.testing.assert_allclose(logits, features @ rounded.T, rtol=1e-4, atol=1e-4)
+        assert torch.equal(heads.topk(h, 4, depth=2), heads.kept_ids[torch.from_numpy(logits).topk(4, dim=-1).indices])
+    with pytest.raises(SpecdecError, match="not one of"):
+        heads.use_cpu_kernels("fp8")
 
 
 def test_untrained_heads_start_as_the_target_head(tiny_target: LoadedModel) -> None:
