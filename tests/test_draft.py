@@ -159,6 +159,11 @@ def test_cost_aware_reads_marginal_costs_off_the_pass_curve() -> None:
     # a second choice with a 5% chance (the prior at 0.06) pays beside a one-token chain, not beside three
     assert sched.branches([0.3], [0.06], room=10) == [0]
     assert sched.branches([0.9, 0.9, 0.3], [0.0, 0.0, 0.06], room=10) == []
+    # the curve also converts a round's target time into a one-token step: 11.8 ms over 5 tokens (4 verified
+    # plus the root) is 11.8 / 1.18 = 10 ms a step, so 1.5 ms per drafted token is a draft cost of 0.15
+    for _ in range(400):
+        sched.update(RoundStats(4, 1, [0.5] * 4, 0.006, 0.0118))
+    assert sched.cost == pytest.approx(0.15, rel=0.02)
 
 
 def test_cost_aware_measures_verification_cost() -> None:

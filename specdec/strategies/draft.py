@@ -239,8 +239,8 @@ class CostAware(DraftSchedule):
     (confidence bin -> accepted fraction, the confidence itself as prior), so an over- or
     under-confident draft is corrected by what the target accepts, the next token's odds being
     predicted from the current token's (confidence is autocorrelated along a chain); c and v from a
-    running linear fit of the target pass's time against the tokens it verified, and the draft's
-    time per token. `cost_ratio` and `verify_cost` are only the starting guesses.
+    running linear fit of the target pass's time against the tokens it verified (or the curve below),
+    and the draft's time per token. `cost_ratio` and `verify_cost` are only the starting guesses.
 
     At temperature 0 it may also branch: the drafter's second choice at depth j, verified beside the
     chain token, adds one token when the target picks it, which happens with probability P(tokens
@@ -253,7 +253,8 @@ class CostAware(DraftSchedule):
     Given an engine (`calibrate`, as the strategies do), v is not one slope but the marginal cost read
     off the target's pass-cost curve, measured at start-up: on a CPU a pass over 2 or 3 tokens costs
     about what one does and each token after that ~0.07 more, so a second token or a sibling beside a
-    one-token chain is nearly free while the fifth is not. Without an engine v is the online fit's slope.
+    one-token chain is nearly free while the fifth is not. The curve also turns each round's measured
+    target time into a one-token step for c. Without an engine both come from the online fit.
     """
 
     def __init__(self, max_gamma: int = 12, cost_ratio: float = 0.1, verify_cost: float = 0.1,
@@ -348,8 +349,12 @@ class CostAware(DraftSchedule):
         self.rate = (1 - m) * self.rate + m * (1 + stats.gained) / units
 
     def _one_token_step(self, n: int, t: float) -> float:
-        """Fit t = a + b n over recent target passes (n tokens verified); update v = b / (a + b) and
-        return the one-token step time a + b (from the prior v while n has not varied enough)."""
+        """The one-token step time implied by a target pass over n tokens that took t seconds: from the
+        measured pass-cost curve when there is one (it tied the fit below on both held-apart sets,
+        experiments/README.md), else from a fit t = a + b n over recent passes, which also updates
+        v = b / (a + b) (the prior v while n has not varied enough)."""
+        if self.curve is not None:
+            return t / self.pass_cost(n)
         m = self.momentum
         x = [n, t, n * n, n * t]
         self._moments = x if self._moments is None else [(1 - m) * u + m * w for u, w in zip(self._moments, x)]
