@@ -1,6 +1,7 @@
-"""Time one step of the shipped draft with its weights in fp32, bf16 and int8, alone and right after
-a target pass (as in a speculative round, where the target's pass has pushed the draft's weights out of
-the caches). Interleaved; prints medians in ms. A benchmark, not a test: run it on an idle machine.
+"""Time one step of the shipped draft with its weights in fp32, bf16 and int8, right after another
+step of the same draft and right after a target pass (as in a speculative round, where the target's
+pass over 540 MB of weights has pushed the draft's out of the caches). Kinds and cases interleaved;
+prints medians in ms. A benchmark, not a test: run it on an idle machine.
 
     python experiments/draft_step_times.py [context] [samples]
 """
@@ -30,11 +31,12 @@ def main(context: int = 200, samples: int = 200) -> None:
     target_engine.prefill(ids)
     for engine in drafts.values():
         engine.prefill(ids)
-    times: dict[tuple[str, str], list[float]] = {(k, when): [] for k in KINDS for when in ("alone", "after target")}
+    cases = ("after draft", "after target")
+    times: dict[tuple[str, str], list[float]] = {(k, when): [] for k in KINDS for when in cases}
     with torch.inference_mode():
         for i in range(samples + 5):
             for kind, engine in drafts.items():
-                for when in ("alone", "after target"):
+                for when in cases:
                     if when == "after target":
                         target_engine.forward(torch.tensor([5, 6, 7, 8]))
                         target_engine.rollback(context)
@@ -47,10 +49,10 @@ def main(context: int = 200, samples: int = 200) -> None:
                         times[kind, when].append(time.perf_counter() - start)
                     engine.rollback(context)
     print(f"draft step after {context} cached tokens, median of {samples} (ms)")
-    print("| weights | alone | right after a target pass over 4 tokens |\n|---|---|---|")
+    print("| weights | after a step of the same draft | after a target pass over 4 tokens |\n|---|---|---|")
     for kind in KINDS:
-        alone, after = (statistics.median(times[kind, w]) * 1e3 for w in ("alone", "after target"))
-        print(f"| {kind} | {alone:.3f} | {after:.3f} |")
+        warm, cold = (statistics.median(times[kind, w]) * 1e3 for w in cases)
+        print(f"| {kind} | {warm:.3f} | {cold:.3f} |")
 
 
 if __name__ == "__main__":

@@ -16,7 +16,8 @@ SIZES = [1, 2, 4, 6, 8]
 def main() -> None:
     target = load_model("smollm2-135m", "builtin:smollm2-135m", matmul="numba")
     engine = StaticEngine(target.model, 2048)
-    print("| cached tokens | " + " | ".join(f"{n} new" for n in SIZES) + " |\n|---" * (len(SIZES) + 1) + "|")
+    print("| cached tokens | " + " | ".join(f"{n} new" for n in SIZES) + " |")
+    print("|---" * (len(SIZES) + 1) + "|")
     for context in (16, 256, 512, 1024):
         times = pass_times(engine, list(range(1000, 1000 + context)), SIZES, reps=9)
         print(f"| {context} | " + " | ".join(f"{times[n] * 1e3:.2f}" for n in SIZES) + " |")

@@ -163,8 +163,9 @@ class SavedDrafter:
 
     folder: Path
     meta: dict[str, Any]
-    # fp32, or bf16: with the CPU kernels (model.matmul=numba), the drafter's matrices rounded to bfloat16
-    # and streamed at half the bytes. Lossless either way: the target checks every guess.
+    # fp32, bf16 or int8: with the CPU kernels (model.matmul=numba), the drafter's matrices rounded to
+    # bfloat16 (half the bytes to stream) or int8 with a scale per output (a quarter). Lossless either
+    # way: the target checks every guess.
     weights: str = "fp32"
     _bound: dict[int, Any] = field(default_factory=dict, repr=False)
     HEAD: ClassVar[str] = ""  # the configs/head/ entry that trains it
