@@ -241,6 +241,7 @@ def test_fused_cpu_layers_match_torch(load_tiny: Callable[..., LoadedModel], mod
     leave the same K/V in the cache."""
     ref_model, fused_model = load_tiny(model_type, matmul="torch"), load_tiny(model_type, matmul="numba")
     assert any(type(m).__name__ == "FusedBlock" for m in fused_model.model.modules())
+    assert type(fused_model.model.fused).__name__ == "FusedStack"  # passes of a few tokens: one call
     ids = random_ids(30, VOCAB, seed=7)
     tree = torch.tensor([[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 0, 1, 0, 0], [1, 1, 0, 1, 0], [1, 0, 1, 0, 1]],
                         dtype=torch.bool)

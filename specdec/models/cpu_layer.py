@@ -1,9 +1,11 @@
-"""One decoder layer in a single numba call, for CPU fp32 passes over a few tokens.
+"""A whole decoder pass in a single numba call, for CPU fp32 passes over a few tokens.
 
 Why: with the matrix products in `cpu_kernels`, a SmolLM2-135M decode step spent about 24 ms in
 the products and another 15 ms in the ~25 small torch ops per layer around them (norms, rope,
-cache writes, attention, residuals) and the Python that calls them. Here those ops run inside one
-compiled function per layer. The math is `llama.Block`'s; `tests/test_model.py` checks the two agree.
+cache writes, attention, residuals) and the Python that calls them. Those ops first moved into one
+compiled function per layer (`layer_forward`); calling it once per layer from Python still cost about
+4 ms of a 23 ms pass, so `FusedStack` now runs every layer and the final norm in one call. The math is
+`llama.Block`'s; `tests/test_model.py` checks the two agree.
 
 Batch of one, up to `cpu_kernels.MAX_ROWS` new tokens (decode steps, drafts, token trees); prefill
 chunks and batches take the torch path (`Block.forward`), whose large GEMMs BLAS does best.
@@ -193,48 +195,28 @@ if cpu_kernels.available():
 
 
 class FusedBlock(Block):
-    """A `Block` whose passes over a few tokens run as one `layer_forward` call (see the module doc).
+    """A `Block` whose linears are NumbaLinear: its model's `FusedStack` runs it, with every other layer,
+    in one call for passes over a few tokens; longer passes and batches take `Block.forward`.
 
-    Made by changing the class of a loaded Block whose linears are NumbaLinear (`use_fused_blocks`),
-    so parameters and state-dict names stay those of the Block.
+    Made by changing the class of a loaded Block (`use_fused_blocks`), so parameters and state-dict
+    names stay those of the Block.
     """
-
-    def forward(self, x: Tensor, freqs: Tensor, cache: KVCache, mask: Tensor | None) -> Tensor:
-        B, T, dim = x.shape
-        if B != 1 or T > cpu_kernels.MAX_ROWS:
-            return super().forward(x, freqs, cache, mask)
-        attn, mlp = self.attn, self.mlp
-        k_all, v_all = cache.k.numpy(), cache.v.numpy()  # (L, B, Hkv, S_max, D) views, written in place
-        rope = torch.view_as_real(freqs[0, :, 0]).numpy()  # (T, D/2, 2)
-        no_mask = mask is None
-        m = self._all_visible if no_mask else mask[0, 0].numpy()  # (T, S)
-        out = layer_forward(
-            x[0].numpy(), rope, k_all[attn.layer, 0], v_all[attn.layer, 0], cache.lengths[0], m, not no_mask,
-            self.attn_norm.weight.numpy(), attn.wqkv.panels, *self._biases(), attn.wo.panels,
-            self.mlp_norm.weight.numpy(), mlp.w_gate_up.panels, mlp.w_down.panels,
-            self.attn_norm.eps, attn.n_heads, attn.n_kv, attn.head_dim, mlp.hidden_dim,
-            cpu_kernels.tiles_for(attn.wqkv.panels))
-        return torch.from_numpy(out)[None]  # (1, T, dim)
 
     def _biases(self) -> tuple[np.ndarray, np.ndarray]:
         """qkv and output-projection biases as arrays, zeros where the model has none (adding 0 is exact)."""
-        if getattr(self, "_np_biases", None) is None:
-            self._np_biases = tuple(
-                np.zeros(lin.out_features, dtype=np.float32) if lin.bias is None else lin.bias.numpy()
-                for lin in (self.attn.wqkv, self.attn.wo))
-        return self._np_biases
-
-    _all_visible = np.ones((1, 1), dtype=np.bool_)
+        return tuple(np.zeros(lin.out_features, dtype=np.float32) if lin.bias is None else lin.bias.detach().numpy()
+                     for lin in (self.attn.wqkv, self.attn.wo))
 
 
 class FusedStack:
     """A Llama's whole pass over a few tokens (its layers and final norm) as one `stack_forward` call.
 
     Why: calling `layer_forward` once per layer from Python cost about 75 us per layer in argument
-    conversion and numba's dispatch (a scratch timing of the draft: 0.22 ms per FusedBlock call against
-    0.15 ms inside it), 2 ms of every SmolLM2-135M step. Stacking the layers' arrays makes the
-    pass one call. The linears' packed panels become views into the stacks (no second copy); norms and
-    biases are copied, so build this after the weights are final, as NumbaLinear's packing already is.
+    conversion and numba's dispatch (a scratch timing of the draft: 0.22 ms per call from Python against
+    0.15 ms inside it); a one-token SmolLM2-135M pass went from 22.9 to 18.8 ms with one call
+    (experiments/pass_times.py, experiments/README.md). Stacking the layers' arrays makes that possible.
+    The linears' packed panels become views into the stacks (no second copy); norms and biases are
+    copied, so build this after the weights are final, as NumbaLinear's packing already is.
     Rope angles come from one table per model, the same for every pass, so a token's numbers still
     do not depend on what shares its pass.
     """
@@ -274,13 +256,15 @@ class FusedStack:
         """Final-norm hidden states (1, T, dim) of the layers' input x (1, T, dim); K/V written to the cache."""
         rope = self.rope(model, positions[0].numpy())
         no_mask = mask is None
-        m = FusedBlock._all_visible if no_mask else mask[0, 0].numpy()  # (T, S)
+        m = self._all_visible if no_mask else mask[0, 0].numpy()  # (T, S)
         h = stack_forward(
             np.ascontiguousarray(x[0].numpy()), rope, cache.k.numpy()[:, 0], cache.v.numpy()[:, 0],
             cache.lengths[0], m, not no_mask,
             self.attn_norms, self.wqkv, self.bqkv, self.bo, self.wo, self.mlp_norms, self.w_gate_up,
             self.w_down, self.norm, self.norm_eps, self.n_heads, self.n_kv, self.head_dim, self.hidden, self.tiles)
         return torch.from_numpy(h)[None]
+
+    _all_visible = np.ones((1, 1), dtype=np.bool_)
 
 
 def _stack_panels(linears: list) -> np.ndarray:
