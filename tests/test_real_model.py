@@ -58,8 +58,9 @@ def test_smollm2_logits_match_transformers() -> None:
 
 
 def test_shipped_drafters_reproduce_greedy(tmp_path: Path) -> None:
-    """The committed draft (cost-aware schedule with second choices, bf16 weights), Medusa heads (tuned tree)
-    and EAGLE-style drafter, as configured by default, alone and behind prompt lookup (draft_lookup)."""
+    """The committed draft (cost-aware schedule with second choices), Medusa heads (tuned tree)
+    and EAGLE-style drafter, as configured by default (int8 weights in the CPU kernels), alone and behind
+    prompt lookup (draft_lookup)."""
     data = tmp_path / "questions.jsonl"
     questions = ["Write a Python function that returns the sum of a list.", "What is 17 times 3?"]
     data.write_text("".join(json.dumps({"question_id": i, "category": "qa", "turns": [q]}) + "\n"
