@@ -18,8 +18,9 @@ weight widened exactly to float32 in registers, so a draft step costs ~0.7x (the
 Or as int8 with a float32 scale per output column (`kind="int8"`): a quarter of the bytes; the
 kernel sums x * q exactly as floats and multiplies by the column's scale once, at the store.
 
-Exactness: every output is the chain y = fma(x[m, k], W[n, k], y) for k = 0, 1, ... in order, in every
-kernel, whatever the number of rows, the vector width or the panel. So a row's result is bitwise the
+Exactness: every output is the chain y = fma(x[m, k], W[n, k], y) for k = 0, 1, ... in order (int8: then
+one multiply by the column's scale), in every kernel, whatever the number of rows, the vector width or
+the panel. So a row's result is bitwise the
 same whichever rows share the call (tests/test_model.py checks), which lossless speculation relies
 on: a token's logits do not depend on how many tokens share its pass.
 """

@@ -92,7 +92,7 @@ def pick_two(logits: Tensor, token_ids: Tensor | None,
     """A drafter's first and second choices over its rows (V_d,) as target ids, with their probabilities."""
     if token_ids is None:
         logits = logits[:target_vocab]
-    if logits.device.type == "cpu":  # numpy: a third of torch's time for these few small ops (a scratch timing)
+    if logits.device.type == "cpu":  # numpy: ~14 us against ~70 for torch's few small ops (a scratch timing)
         x = logits.float().numpy()
         e = np.exp(x - x.max())  # (V_d,) unnormalised, 1 at the top
         first = int(e.argmax())
