@@ -203,23 +203,23 @@ class SavedDrafter:
             use_matmul(net, target.matmul, self.weights)  # the target's CPU kernels (see cpu_linear.py)
 
     @classmethod
-    def load(cls, path: str | Path, config: str, weights: str, fmt: str, alternative: str = "",
-             compute: str = "fp32") -> Any:
-        """The drafter saved in `path` (relative: the working directory, then the repository);
-        `compute`: the CPU kernels' weights, fp32, bf16 or int8 (see `weights` above)."""
-        if compute not in ("fp32", "bf16", "int8"):
-            raise SpecdecError(f"the {cls.WHAT}'s weights={compute!r} is not fp32, bf16 or int8; "
-                               "e.g. strategy.draft.weights=bf16")
+    def load(cls, path: str | Path, config_file: str, weights_file: str, fmt: str, alternative: str = "",
+             weights: str = "fp32") -> Any:
+        """The drafter saved in `path` (relative: the working directory, then the repository) as
+        `config_file` and `weights_file`; `weights`: the CPU kernels' copy, fp32, bf16 or int8 (the field above)."""
+        if weights not in ("fp32", "bf16", "int8"):
+            raise SpecdecError(f"the {cls.WHAT}'s weights={weights!r} is not fp32, bf16 or int8; "
+                               "e.g. strategy.draft.weights=int8")
         folder = resolve_path(path)
-        if not (folder / config).is_file() or not (folder / weights).is_file():
+        if not (folder / config_file).is_file() or not (folder / weights_file).is_file():
             model = folder.name.removesuffix(f"-{cls.HEAD}") or "MODEL"
             raise SpecdecError(f"no trained {cls.WHAT} in {folder}; run `python -m heads.train head={cls.HEAD} "
                                f"model={model}` first{alternative}")
-        meta = json.loads((folder / config).read_text())
+        meta = json.loads((folder / config_file).read_text())
         if meta.get("format") != fmt:
-            raise SpecdecError(f"{folder / config} is not a specdec {cls.WHAT} ({fmt}); retrain it with "
+            raise SpecdecError(f"{folder / config_file} is not a specdec {cls.WHAT} ({fmt}); retrain it with "
                                f"python -m heads.train head={cls.HEAD}")
-        return cls(folder, meta, compute)
+        return cls(folder, meta, weights)
 
 
 class DraftCheckpoint(SavedDrafter):
@@ -260,9 +260,9 @@ def resolve_path(path: str | Path) -> Path:
 
 def load_draft(path: str, weights: str = "fp32") -> DraftCheckpoint:
     """Entry point of the strategy configs: the trained draft in `path` (heads/checkpoints/MODEL-draft),
-    its matrices run in fp32 or bf16 by the CPU kernels (`weights`)."""
+    its matrices run in fp32, bf16 or int8 by the CPU kernels (`weights`)."""
     return DraftCheckpoint.load(path, CONFIG, WEIGHTS, FORMAT, ", or use strategy=draft_lm with a draft model",
-                                weights)
+                                weights=weights)
 
 
 # --------------------------------------------------------------------------------------------------

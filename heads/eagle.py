@@ -101,8 +101,8 @@ class EagleCheckpoint(SavedDrafter):
 
 def load_eagle(path: str, weights: str = "fp32") -> EagleCheckpoint:
     """Entry point of configs/strategy/eagle.yaml: the drafter in `path` (heads/checkpoints/MODEL-eagle),
-    its matrices run in fp32 or bf16 by the CPU kernels (`weights`)."""
-    return EagleCheckpoint.load(path, CONFIG, WEIGHTS, FORMAT, compute=weights)
+    its matrices run in fp32, bf16 or int8 by the CPU kernels (`weights`)."""
+    return EagleCheckpoint.load(path, CONFIG, WEIGHTS, FORMAT, weights=weights)
 
 
 # --------------------------------------------------------------------------------------------------
