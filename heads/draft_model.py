@@ -27,6 +27,7 @@ from torch import Tensor, nn
 
 from heads.head_loss import head_loss
 from specdec.errors import SpecdecError
+from specdec.models import cpu_kernels
 from specdec.models.llama import Llama, LlamaArgs
 from specdec.models.loader import LoadedModel
 
@@ -207,8 +208,8 @@ class SavedDrafter:
              weights: str = "fp32") -> Any:
         """The drafter saved in `path` (relative: the working directory, then the repository) as
         `config_file` and `weights_file`; `weights`: the CPU kernels' copy, fp32, bf16 or int8 (the field above)."""
-        if weights not in ("fp32", "bf16", "int8"):
-            raise SpecdecError(f"the {cls.WHAT}'s weights={weights!r} is not fp32, bf16 or int8; "
+        if weights not in cpu_kernels.KINDS:
+            raise SpecdecError(f"the {cls.WHAT}'s weights={weights!r} is not {', '.join(cpu_kernels.KINDS)}; "
                                "e.g. strategy.draft.weights=int8")
         folder = resolve_path(path)
         if not (folder / config_file).is_file() or not (folder / weights_file).is_file():

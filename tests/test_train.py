@@ -130,7 +130,7 @@ def test_short_training_lowers_loss_and_ships_a_usable_draft(tmp_path: Path, dat
             res = DraftStrategy(fast_target, "draft", rounded, FixedLength(3), 512, 64).generate(
                 prompt, GenerationParams(24), 0)
             assert res.output_ids == fast_ref and res.accepted > 0, kind
-    with pytest.raises(SpecdecError, match="not fp32, bf16 or int8"):
+    with pytest.raises(SpecdecError, match="not fp32, bf16, int8"):
         load_draft(str(out), weights="fp8")
 
 

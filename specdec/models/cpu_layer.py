@@ -194,20 +194,6 @@ if cpu_kernels.available():
         return out
 
 
-class FusedBlock(Block):
-    """A `Block` whose linears are NumbaLinear: its model's `FusedStack` runs it, with every other layer,
-    in one call for passes over a few tokens; longer passes and batches take `Block.forward`.
-
-    Made by changing the class of a loaded Block (`use_fused_blocks`), so parameters and state-dict
-    names stay those of the Block.
-    """
-
-    def _biases(self) -> tuple[np.ndarray, np.ndarray]:
-        """qkv and output-projection biases as arrays, zeros where the model has none (adding 0 is exact)."""
-        return tuple(np.zeros(lin.out_features, dtype=np.float32) if lin.bias is None else lin.bias.detach().numpy()
-                     for lin in (self.attn.wqkv, self.attn.wo))
-
-
 class FusedStack:
     """A Llama's whole pass over a few tokens (its layers and final norm) as one `stack_forward` call.
 
@@ -222,14 +208,15 @@ class FusedStack:
     """
 
     def __init__(self, model: Llama) -> None:
-        blocks: list[FusedBlock] = list(model.layers)  # type: ignore[arg-type]
+        blocks: list[Block] = list(model.layers)  # type: ignore[arg-type]
         first = blocks[0]
         self.n_heads, self.n_kv, self.head_dim = first.attn.n_heads, first.attn.n_kv, first.attn.head_dim
         self.hidden, self.eps = first.mlp.hidden_dim, first.attn_norm.eps
         self.attn_norms = np.stack([b.attn_norm.weight.detach().numpy() for b in blocks])  # (L, dim)
         self.mlp_norms = np.stack([b.mlp_norm.weight.detach().numpy() for b in blocks])
-        self.bqkv = np.stack([b._biases()[0] for b in blocks])  # (L, qkv_out)
-        self.bo = np.stack([b._biases()[1] for b in blocks])  # (L, dim)
+        # zeros where the model has no bias: adding 0 is exact
+        self.bqkv = np.stack([_bias(b.attn.wqkv) for b in blocks])  # (L, qkv_out)
+        self.bo = np.stack([_bias(b.attn.wo) for b in blocks])  # (L, dim)
         self.wqkv = _stack_panels([b.attn.wqkv for b in blocks])  # (L, P, in, NB)
         self.wo = _stack_panels([b.attn.wo for b in blocks])
         self.w_gate_up = _stack_panels([b.mlp.w_gate_up for b in blocks])
@@ -275,27 +262,30 @@ def _stack_panels(linears: list) -> np.ndarray:
     return stacked
 
 
-def use_fused_blocks(model: torch.nn.Module) -> int:
-    """Turn every Block below `model` into a FusedBlock (its linears must already be NumbaLinear), and
-    give every Llama whose layers are all fused a FusedStack."""
-    blocks = [m for m in model.modules() if type(m) is Block]
-    for block in blocks:
-        block.__class__ = FusedBlock
+def _bias(linear: torch.nn.Module) -> np.ndarray:
+    bias = getattr(linear, "bias", None)
+    return np.zeros(linear.out_features, dtype=np.float32) if bias is None else bias.detach().numpy()
+
+
+def use_fused_stacks(model: torch.nn.Module) -> int:
+    """Give every Llama below `model` whose layers' linears are all NumbaLinear of one weight type a
+    FusedStack (its passes over a few tokens then run as one call); returns how many."""
+    count = 0
     for m in model.modules():
-        if isinstance(m, Llama) and len(m.layers) and all(type(b) is FusedBlock for b in m.layers) \
-                and _same_panel_type(m):
+        if isinstance(m, Llama) and len(m.layers) and _one_panel_type(m):
             m.fused = FusedStack(m)
-    return len(blocks)
+            count += 1
+    return count
 
 
-def _same_panel_type(model: Llama) -> bool:
-    return len({lin.panels.dtype for b in model.layers for lin in (b.attn.wqkv, b.attn.wo, b.mlp.w_gate_up,
-                                                                      b.mlp.w_down)}) == 1
+def _one_panel_type(model: Llama) -> bool:
+    panels = [getattr(lin, "panels", None) for b in model.layers
+              for lin in (b.attn.wqkv, b.attn.wo, b.mlp.w_gate_up, b.mlp.w_down)]
+    return all(p is not None for p in panels) and len({p.dtype for p in panels}) == 1
 
 
-def use_plain_blocks(model: torch.nn.Module) -> None:
+def use_layer_by_layer(model: torch.nn.Module) -> None:
+    """Undo use_fused_stacks: every pass runs the layers' own forward."""
     for m in model.modules():
-        if type(m) is FusedBlock:
-            m.__class__ = Block
         if isinstance(m, Llama):
             m.fused = None

@@ -19,7 +19,7 @@ import torch
 from torch import Tensor, nn
 
 from specdec.models import cpu_kernels
-from specdec.models.cpu_layer import use_fused_blocks, use_plain_blocks
+from specdec.models.cpu_layer import use_fused_stacks, use_layer_by_layer
 
 
 class NumpyLinear(nn.Module):
@@ -140,13 +140,13 @@ MATMULS = ("torch", "numpy", "numba")
 def use_matmul(model: nn.Module, kind: str, weights: str = "fp32") -> None:
     """Run `model`'s linears (and, for numba, whole decoder layers) the named way: torch, numpy, numba.
     `weights="bf16"` or `"int8"`: numba's kernels over rounded weights (see NumbaLinear); other kinds ignore it."""
-    use_plain_blocks(model)
+    use_layer_by_layer(model)
     use_torch_linears(model)
     if kind == "numpy":
         use_numpy_linears(model)
     elif kind == "numba":
         use_numba_linears(model, weights)
-        use_fused_blocks(model)
+        use_fused_stacks(model)
 
 
 def pick_faster_linears(model: nn.Module, steps: int = 4) -> str:

@@ -169,7 +169,7 @@ class Llama(nn.Module):
     def __init__(self, args: LlamaArgs) -> None:
         super().__init__()
         self.args = args
-        self.fused: WholePass | None = None  # set by cpu_layer.use_fused_blocks
+        self.fused: WholePass | None = None  # set by cpu_layer.use_fused_stacks
         self.embed = nn.Embedding(args.vocab_size, args.dim)
         self.layers = nn.ModuleList(Block(args, i) for i in range(args.n_layers))
         self.norm = RMSNorm(args.dim, args.norm_eps)
