@@ -4,6 +4,11 @@ Self-distillation: the sequences are the target's own greedy continuations, so t
 at position t is simply the token at t + k + 2. Head losses are weighted decay^k (0.8^k as in the
 paper): later heads are harder and matter less, since their guesses count only when every earlier
 one was right.
+
+With `kl_weight` > 0 each head also learns the target's whole distribution over the token it guesses
+(KL(target || head) on the kept rows, as the draft and EAGLE do): the target's final-norm state at
+t + k + 1 through the same frozen projection gives it. Ranks below the first are what a token tree
+spends its nodes on, and a one-hot label says nothing about them.
 """
 
 from __future__ import annotations
@@ -37,8 +42,9 @@ class MedusaLoss(nn.Module):
         self.heads = heads
 
     def forward(self, hidden: Tensor, labels: Tensor, input_ids: Tensor | None = None,
-                prompt_weight: float = 0.0) -> tuple[Tensor, Tensor, Tensor]:
-        """hidden (B, T, dim), labels (B, T) -> per-head cross-entropy, top-1 and top-5 hit rates, each (K,).
+                prompt_weight: float = 0.0, kl_weight: float = 0.0) -> tuple[Tensor, Tensor, Tensor]:
+        """hidden (B, T, dim), labels (B, T) -> per-head loss (cross-entropy, plus kl_weight times the KL
+        to the target's distribution), top-1 and top-5 hit rates, each (K,).
 
         With prompt_weight > 0 (and input_ids), heads also learn at positions whose future token is
         a prompt token (human text rather than the target's own continuation, as in Medusa's original
@@ -46,6 +52,8 @@ class MedusaLoss(nn.Module):
         measured on the continuation only.
         """
         heads = self.heads
+        if kl_weight > 0 and heads.proj.ndim != 2:
+            raise ValueError("head.kl_weight > 0 needs projection=shared (the target's own head gives the KL)")
         x = heads.features(hidden.to(heads.proj.dtype))  # (B, T, K, dim)
         T = labels.shape[1]
         ce, top1, top5 = [], [], []
@@ -58,7 +66,8 @@ class MedusaLoss(nn.Module):
             kept = target != -100
             n = max(len(target), 1)
             if kept.any():
-                loss, hits = self._ce(feats[kept], target[kept], k)
+                teacher = hidden[:, k + 1:][valid][kept] if kl_weight > 0 else None  # (n, dim): state at t + k + 1
+                loss, hits = self._ce(feats[kept], target[kept], k, teacher, kl_weight)
             else:  # keep every parameter in the graph: distributed training expects a gradient for each
                 loss, hits = x[..., k, :].sum() * 0, torch.zeros(2, device=x.device)
             if prompt_weight > 0 and input_ids is not None and T > k + 2:
@@ -74,15 +83,17 @@ class MedusaLoss(nn.Module):
             top5.append(hits[1] / n)
         return torch.stack(ce), torch.stack(top1), torch.stack(top5)
 
-    def _ce(self, feats: Tensor, rows: Tensor, k: int) -> tuple[Tensor, Tensor]:
-        """Head k's mean cross-entropy on (n, dim) features against kept-vocabulary rows (n,), and (2,)
-        top-1 and top-5 hit counts. The shared frozen projection goes through head_loss, which never
-        holds (n, V') logits (most of a CPU step); a trainable one needs them for its own gradient."""
+    def _ce(self, feats: Tensor, rows: Tensor, k: int, teacher: Tensor | None = None,
+            kl_weight: float = 0.0) -> tuple[Tensor, Tensor]:
+        """Head k's mean cross-entropy on (n, dim) features against kept-vocabulary rows (n,), plus
+        kl_weight times its mean KL to the target's distribution read from `teacher` (n, dim) states,
+        and (2,) top-1 and top-5 hit counts. The shared frozen projection goes through head_loss, which
+        never holds (n, V') logits (most of a CPU step); a trainable one needs them for its own gradient."""
         heads = self.heads
         if heads.proj.ndim == 2:
             every = torch.ones_like(rows, dtype=torch.bool)
-            loss, _, hits = head_loss(feats, heads.proj, rows, None, every, None)
-            return loss, hits
+            ce, kl, hits = head_loss(feats, heads.proj, rows, teacher, every, every if teacher is not None else None)
+            return (ce + kl_weight * kl if teacher is not None else ce), hits
         logits = heads.head_logits(feats, k)  # (n, V')
         with torch.no_grad():
             top = logits.topk(min(5, logits.shape[-1]), dim=-1).indices  # (n, 5)
@@ -95,9 +106,13 @@ class MedusaTrainable:
     needs_hidden = True
 
     def __init__(self, num_heads: int = 4, num_layers: int = 1, projection: str = "shared",
-                 head_vocab: int | None = 8192, decay: float = 0.8, prompt_weight: float = 0.0) -> None:
+                 head_vocab: int | None = 8192, decay: float = 0.8, prompt_weight: float = 0.0,
+                 kl_weight: float = 0.0) -> None:
+        if kl_weight < 0:
+            raise ValueError(f"head.kl_weight must be >= 0, got {kl_weight}")
         self.num_heads, self.num_layers, self.projection = num_heads, num_layers, projection
         self.head_vocab, self.decay, self.prompt_weight = head_vocab, decay, prompt_weight
+        self.kl_weight = kl_weight
 
     def build(self, target: LoadedModel, data: Any = None) -> MedusaLoss:
         cfg = new_config(target, self.num_heads, self.num_layers, self.projection, self.head_vocab)
@@ -114,7 +129,7 @@ class MedusaTrainable:
         dev = target_hidden.device
         # padding must not become a prompt label: mark it -1 (never a token id)
         ids = torch.where(batch["attention_mask"].bool(), batch["input_ids"], -1).to(dev)
-        ce, top1, top5 = module(target_hidden, batch["labels"].to(dev), ids, self.prompt_weight)
+        ce, top1, top5 = module(target_hidden, batch["labels"].to(dev), ids, self.prompt_weight, self.kl_weight)
         weights = self.decay ** torch.arange(len(ce), device=ce.device, dtype=ce.dtype)
         total = (weights * ce).sum()
         metrics = {"loss": float(total.detach())}
@@ -125,4 +140,4 @@ class MedusaTrainable:
 
     def save(self, module: nn.Module, out_dir: Path, meta: dict[str, Any]) -> None:
         assert isinstance(module, MedusaLoss)
-        module.heads.save(out_dir, meta | {"decay": self.decay})
+        module.heads.save(out_dir, meta | {"decay": self.decay, "kl_weight": self.kl_weight})

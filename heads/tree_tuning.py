@@ -77,7 +77,7 @@ class Calibration:
     ranks: Tensor  # (P, K) rank of the truth per position and head; `width` = not among the top `width`
     width: int
     step_s: float  # mean time of a one-token target pass
-    heads_s: float  # mean time of one heads call (all K heads, top-k included)
+    heads_s: float  # median time of one heads call (all K heads, top-k included) right after a pass
 
 
 @torch.inference_mode()
@@ -88,8 +88,9 @@ def calibrate(target: LoadedModel, heads: Any, prompts: list[list[int]], max_new
     K = heads.num_heads
     eos = set(target.eos_ids)
     rows: list[Tensor] = []
-    step_s = heads_s = 0.0
-    steps = heads_calls = 0
+    step_s = 0.0
+    steps = 0
+    heads_times: list[float] = []  # one per prompt; the median, as the first call pays for warming up
     with torch_threads(target.torch_threads):
         for prompt in prompts:
             out = engine.prefill(prompt)
@@ -108,8 +109,7 @@ def calibrate(target: LoadedModel, heads: Any, prompts: list[list[int]], max_new
                 tok = int(out.logits[-1].argmax())
             t0 = time.perf_counter()
             heads.topk(hidden[-1], width)
-            heads_s += time.perf_counter() - t0
-            heads_calls += 1
+            heads_times.append(time.perf_counter() - t0)
             n = len(seq) - K - 1  # positions whose K future tokens are all known
             if n <= 0:
                 continue
@@ -121,7 +121,8 @@ def calibrate(target: LoadedModel, heads: Any, prompts: list[list[int]], max_new
             rows.append(rank)
     if not rows:
         raise SpecdecError("calibration produced no usable positions; raise calibration.max_new_tokens")
-    return Calibration(torch.cat(rows), width, step_s / max(steps, 1), heads_s / max(heads_calls, 1))
+    heads_s = sorted(heads_times)[len(heads_times) // 2] if heads_times else 0.0
+    return Calibration(torch.cat(rows), width, step_s / max(steps, 1), heads_s)
 
 
 def _topk_ids(heads: Any, hidden: Tensor, width: int) -> Tensor:

@@ -85,6 +85,11 @@ def test_heads_shapes_and_kept_vocab_ids(tiny_target: LoadedModel) -> None:
     top = heads.topk(h[0, 0], 4)
     assert top.shape == (3, 4)
     assert set(top.flatten().tolist()) <= set(heads.kept_ids.tolist())
+    if cpu_kernels.available():  # two blocks per head on the CPU kernels: the same stacks, the same ranking
+        heads.use_cpu_kernels()
+        want = torch.stack([blocks(h[0, 0]) for blocks in heads.blocks]).numpy()  # (3, dim)
+        np.testing.assert_allclose(heads._cpu_features(h[0, 0], 3), want, rtol=1e-5, atol=1e-5)
+        assert torch.equal(heads.topk(h[0, 0], 4), top)
     full = medusa_heads(tiny_target, num_heads=3, seed=0)
     assert full(h).shape == (2, 5, 3, VOCAB)
 
@@ -97,17 +102,26 @@ def test_topk_runs_only_the_heads_asked_for(tiny_target: LoadedModel, projection
     want = heads.kept_ids[logits.topk(4, dim=-1).indices]  # (3, 4)
     assert torch.equal(heads.topk(h, 4), want)
     assert torch.equal(heads.topk(h, 4, depth=2), want[:2])
-    heads.use_cpu_kernels()  # the target's few-row CPU kernels for the shared projection (a no-op for "own")
+    heads.use_cpu_kernels()  # the target's few-row CPU kernels: the blocks, and the projection when shared
     assert (heads.proj_panels is not None) == (projection == "shared" and cpu_kernels.available())
+    assert (heads.block_panels is not None) == cpu_kernels.available()
     assert torch.equal(heads.topk(h, 4, depth=1), want[:1])
-    if heads.proj_panels is not None:  # an int8 copy ranks by the rounded projection
+    if cpu_kernels.available():  # an int8 copy ranks by the rounded blocks and projection
         heads.use_cpu_kernels("int8")
-        assert heads.proj_panels.dtype == np.int8
-        rounded = cpu_kernels.to_int8(heads.proj.numpy())
-        features = torch.stack([blocks(h) for blocks in heads.blocks[:2]]).numpy()  # (2, dim)
-        logits = cpu_kernels.matmul(features, heads.proj_panels, len(rounded))
-        np.testing.assert_allclose(logits, features @ rounded.T, rtol=1e-4, atol=1e-4)
-        assert torch.equal(heads.topk(h, 4, depth=2), heads.kept_ids[torch.from_numpy(logits).topk(4, dim=-1).indices])
+        assert heads.block_panels is not None and heads.block_panels[0][0].dtype == np.int8
+        features = []  # (2, dim): each head's block x + SiLU(W x + b) with W rounded to int8
+        for block in (blocks[0] for blocks in heads.blocks[:2]):
+            z = h.numpy() @ cpu_kernels.to_int8(block.linear.weight.numpy()).T + block.linear.bias.numpy()
+            features.append(h.numpy() + z / (1 + np.exp(-z)))
+        features = np.stack(features).astype(np.float32)
+        np.testing.assert_allclose(heads._cpu_features(h, 2), features, rtol=1e-4, atol=1e-5)
+        if heads.proj_panels is not None:
+            assert heads.proj_panels.dtype == np.int8
+            rounded = cpu_kernels.to_int8(heads.proj.numpy())
+            logits = cpu_kernels.matmul(heads._cpu_features(h, 2), heads.proj_panels, len(rounded))
+            np.testing.assert_allclose(logits, features @ rounded.T, rtol=1e-4, atol=1e-4)
+            ranked = heads.kept_ids[torch.from_numpy(logits).topk(4, dim=-1).indices]
+            assert torch.equal(heads.topk(h, 4, depth=2), ranked)
     with pytest.raises(SpecdecError, match="not one of"):
         heads.use_cpu_kernels("fp8")
 
@@ -480,6 +494,34 @@ def test_tuned_tree_is_the_tuners_file_for_this_model_else_the_default(tiny_targ
     (tmp_path / "tiny-llama-medusa.yaml").write_text("budget: 2\nchoices:\n- [0]\n- [0, 0]\n")
     tuned = Medusa(tiny_target, max_len=128, heads=heads, tree="tuned")
     assert tuned.paths == [(0,), (0, 0)] and tuned.tree_source.endswith("tiny-llama-medusa.yaml")
+
+
+def test_kl_to_the_target_adds_loss_and_its_gradient_lowers_it(tiny_target: LoadedModel) -> None:
+    torch.manual_seed(0)
+    batch, hidden = _distill_batch(tiny_target, 6, 24)
+    trainable = MedusaTrainable(num_heads=2, num_layers=1, head_vocab=None, kl_weight=1.0)
+    module = trainable.build(tiny_target)
+    ids = batch["input_ids"]
+
+    def kl_part() -> torch.Tensor:  # per head: the loss with the KL minus the cross-entropy alone
+        return module(hidden, batch["labels"], ids, 0.0, 1.0)[0] - module(hidden, batch["labels"], ids, 0.0, 0.0)[0]
+
+    with torch.no_grad():
+        first = kl_part()
+        hits = module(hidden, batch["labels"], ids, 0.0, 1.0)[1:], module(hidden, batch["labels"], ids, 0.0, 0.0)[1:]
+    assert (first > 0).all()  # fresh heads copy the target's head at t, not its distribution at t + k + 1
+    assert all(torch.equal(a, b) for a, b in zip(*hits))  # hit rates do not depend on the loss
+    opt = torch.optim.AdamW([p for p in module.parameters() if p.requires_grad], lr=3e-3)
+    for _ in range(40):  # the KL's own gradient (through head_loss's backward) pulls heads to the target
+        loss = kl_part().sum()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    with torch.no_grad():
+        assert (kl_part() < 0.75 * first).all()
+    assert trainable.loss(module, batch, hidden)[0] > 0
+    with pytest.raises(ValueError, match="kl_weight"):
+        MedusaTrainable(kl_weight=-1.0)
 
 
 def test_prompt_positions_add_loss_but_not_metrics(tiny_target: LoadedModel) -> None:
