@@ -126,14 +126,15 @@ class MedusaHeads(nn.Module):
 
     def use_cpu_kernels(self, weights: str = "fp32") -> None:
         """Run the heads at inference through specdec's few-row CPU kernels, as the target does: the
-        residual blocks always, the projection when it is shared; `weights`: the copy they stream, fp32,
-        bf16 or int8 (cpu_kernels.pack).
+        residual blocks in float32, and the projection, when it is shared, from a `weights` copy (fp32,
+        bf16 or int8; cpu_kernels.pack).
 
         Why: torch runs single-threaded beside those kernels (see `LoadedModel.torch_threads`). Right
-        after a target pass has pushed the heads out of cache, torch's per-head block products took
-        0.6 ms for two heads and the whole step 1.2 ms, 5% of a pass (scratch timing). The kernels run
-        every head's first block in one call. The heads only propose candidates that the target
-        verifies, so a rounded copy changes speed, not output.
+        after a target pass has pushed the heads out of cache, a step with torch's per-head block products
+        took 1.1 ms, with the kernels (every head's first block in one call) 0.65-0.7 ms
+        (experiments/medusa_step_times.py). The blocks stay float32, so the candidates are the ones torch
+        gives; an int8 copy of the blocks would save ~0.1 ms more but changes some second choices. The
+        projection's copy may be rounded: the heads only propose, the target verifies.
         """
         if weights not in cpu_kernels.KINDS:
             raise SpecdecError(f"strategy.heads.weights={weights!r} is not one of {', '.join(cpu_kernels.KINDS)}")
@@ -145,8 +146,7 @@ class MedusaHeads(nn.Module):
         for layer in range(self.cfg.num_layers):
             linears = [blocks[layer].linear for blocks in self.blocks]
             # each head's panels in turn: head h owns panels h * P .. (h + 1) * P - 1
-            panels = np.concatenate([cpu_kernels.pack(lin.weight.detach().float().numpy(), kind=weights)
-                                     for lin in linears])
+            panels = np.concatenate([cpu_kernels.pack(lin.weight.detach().float().numpy()) for lin in linears])
             layers.append((panels, torch.stack([lin.bias.detach().float() for lin in linears]).numpy()))
         self.block_panels = layers
 
