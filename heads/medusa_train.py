@@ -23,6 +23,7 @@ from torch import Tensor, nn
 
 from heads.head_loss import head_loss
 from heads.medusa import MedusaHeads, kept_vocab, new_config, output_weight
+from specdec.errors import SpecdecError
 from specdec.models.loader import LoadedModel
 
 
@@ -109,7 +110,10 @@ class MedusaTrainable:
                  head_vocab: int | None = 8192, decay: float = 0.8, prompt_weight: float = 0.0,
                  kl_weight: float = 0.0) -> None:
         if kl_weight < 0:
-            raise ValueError(f"head.kl_weight must be >= 0, got {kl_weight}")
+            raise SpecdecError(f"head.kl_weight must be >= 0, got {kl_weight}")
+        if kl_weight > 0 and projection != "shared":
+            raise SpecdecError("head.kl_weight > 0 needs head.projection=shared (the target's own head gives the "
+                               "distribution); set head.kl_weight=0 for own projections")
         self.num_heads, self.num_layers, self.projection = num_heads, num_layers, projection
         self.head_vocab, self.decay, self.prompt_weight = head_vocab, decay, prompt_weight
         self.kl_weight = kl_weight

@@ -516,8 +516,10 @@ def test_kl_to_the_target_adds_loss_and_its_gradient_lowers_it(tiny_target: Load
     with torch.no_grad():
         assert (kl_part() < 0.75 * first).all()
     assert trainable.loss(module, batch, hidden)[0] > 0
-    with pytest.raises(ValueError, match="kl_weight"):
+    with pytest.raises(SpecdecError, match="kl_weight must be >= 0"):
         MedusaTrainable(kl_weight=-1.0)
+    with pytest.raises(SpecdecError, match="needs head.projection=shared"):
+        MedusaTrainable(kl_weight=1.0, projection="own")
 
 
 def test_prompt_positions_add_loss_but_not_metrics(tiny_target: LoadedModel) -> None:
