@@ -131,7 +131,7 @@ class MedusaHeads(nn.Module):
 
         Why: torch runs single-threaded beside those kernels (see `LoadedModel.torch_threads`). Right
         after a target pass has pushed the heads out of cache, a step with torch's per-head block products
-        took 1.1 ms, with the kernels (every head's first block in one call) 0.65-0.7 ms
+        took 1.05 ms, with the kernels (every head's first block in one call) 0.72 ms
         (experiments/medusa_step_times.py). The blocks stay float32, so the candidates are the ones torch
         gives; an int8 copy of the blocks would save ~0.1 ms more but changes some second choices. The
         projection's copy may be rounded: the heads only propose, the target verifies.
