@@ -3,8 +3,8 @@
 The clean held-apart file (`clean_heldapart.py`) is mostly code and math, where the drafters do well;
 a policy for text they guess badly needs prose. These are the project's own instruction templates
 (`heads/instruction_prompts.py`) drawn with another seed, minus every prompt any shipped drafter trained
-on: the instruction-mix run (`data.instructions=1200`) and the `heads.train` default (`data.instructions`
-in configs/train.yaml, 2400), both drawn with the data's first seed (1). The templates are the training
+on: every draw in `SHIPPED_DRAWS` (`data.instructions` = 1200, 2400, 4800) and the `heads.train` default
+(`data.instructions` in configs/train.yaml), all drawn with the data's first seed (1). The templates are the training
 prompts' own, so these questions read more like the training data than real questions do: the
 Spec-Bench-style file is the fairer test of prose. One turn each, category `chat`:
 
@@ -24,12 +24,19 @@ from omegaconf import OmegaConf
 from heads.instruction_prompts import instruction_prompts
 
 
+# data.instructions of every drafter shipped so far (draft and Medusa heads: 4800; earlier ones 1200, 2400)
+SHIPPED_DRAWS = (1200, 2400, 4800)
+
+
 def chat_questions(count: int = 14, seed: int = 99) -> list[dict]:
     # Until 2026-11-30 only the 1200-prompt draw was left out, so 6 of the 14 questions were prompts the
     # drafters trained on with 2400 (experiments/README.md says which results that affects).
+    # Until 2026-12-01 the 4800-prompt draw of the shipped draft and Medusa heads was not left out either:
+    # 6 of the 14 questions were its prompts (the medusa_tree5_ab chat run found it).
     cfg = OmegaConf.load(Path(__file__).resolve().parent.parent / "configs" / "train.yaml").data
-    trained = set(instruction_prompts(1200, seed=1))
-    trained |= set(instruction_prompts(int(cfg.instructions), seed=int(cfg.seeds[0])))
+    trained: set[str] = set()
+    for draw in (*SHIPPED_DRAWS, int(cfg.instructions)):
+        trained |= set(instruction_prompts(draw, seed=int(cfg.seeds[0])))
     fresh = [p for p in instruction_prompts(400, seed=seed) if p not in trained]
     return [{"question_id": i, "category": "chat", "turns": [p]} for i, p in enumerate(fresh[:count])]
 

@@ -188,23 +188,32 @@ class MedusaHeads(nn.Module):
             return torch.einsum("...kd,kvd->...kv", x, self.proj)  # (..., K, V')
         return x @ self.proj.t()  # (..., K, V'): every head in one matmul
 
-    @torch.inference_mode()
-    def topk(self, hidden: Tensor, k: int, depth: int | None = None) -> Tensor:
-        """(dim,) hidden state of the newest accepted token -> (depth, k) candidate ids in the full vocabulary
-        from the first `depth` heads (all K by default): a tree `depth` deep has no use for deeper heads."""
+    def _step_logits(self, hidden: Tensor, depth: int | None) -> Tensor:
+        """(dim,) -> (d, V') logits of the first d heads (all K by default)."""
         d = self.num_heads if depth is None else depth
         if self.block_panels is not None:
             x = torch.from_numpy(self._cpu_features(hidden, d))  # (d, dim)
         else:
             x = torch.stack([blocks(hidden.float()) for blocks in self.blocks[:d]])  # (d, dim)
         if self.proj.ndim == 3:
-            logits = torch.bmm(self.proj[:d], x[:, :, None])[..., 0]  # (d, V')
-        elif self.proj_panels is not None:
-            logits = torch.from_numpy(cpu_kernels.matmul(x.numpy(), self.proj_panels, self.proj.shape[0]))
-        else:
-            # W @ x^T streams W once as a GEMV-like product; x @ W^T ran about 2x slower on CPU
-            logits = (self.proj @ x.t()).t()  # (K, V')
-        return self.kept_ids[logits.topk(k, dim=-1).indices]
+            return torch.bmm(self.proj[:d], x[:, :, None])[..., 0]  # (d, V')
+        if self.proj_panels is not None:
+            return torch.from_numpy(cpu_kernels.matmul(x.numpy(), self.proj_panels, self.proj.shape[0]))
+        # W @ x^T streams W once as a GEMV-like product; x @ W^T ran about 2x slower on CPU
+        return (self.proj @ x.t()).t()  # (d, V')
+
+    @torch.inference_mode()
+    def topk(self, hidden: Tensor, k: int, depth: int | None = None) -> Tensor:
+        """(dim,) hidden state of the newest accepted token -> (depth, k) candidate ids in the full vocabulary
+        from the first `depth` heads (all K by default): a tree `depth` deep has no use for deeper heads."""
+        return self.kept_ids[self._step_logits(hidden, depth).topk(k, dim=-1).indices]
+
+    @torch.inference_mode()
+    def topk_logprobs(self, hidden: Tensor, k: int, depth: int | None = None) -> tuple[Tensor, Tensor]:
+        """As `topk`, with each guess's log-probability under its head: (depth, k) ids, (depth, k) float32."""
+        logits = self._step_logits(hidden, depth).float()
+        top = logits.topk(k, dim=-1)
+        return self.kept_ids[top.indices], top.values - torch.logsumexp(logits, dim=-1, keepdim=True)
 
     def save(self, out_dir: str | Path, meta: dict[str, Any] | None = None) -> Path:
         from safetensors.torch import save_file

@@ -138,3 +138,19 @@ def test_slurm_launcher_composes() -> None:
     launcher = cfg.hydra.launcher
     assert launcher._target_.endswith("SlurmLauncher")
     assert launcher.partition == "gpu" and launcher.gpus_per_node == 1 and launcher.timeout_min > 0
+
+
+def test_chat_heldapart_leaves_out_every_shipped_training_draw() -> None:
+    # The file judges drafters on prose they never saw: one prompt of a training draw in it would
+    # flatter exactly the drafters it is meant to test (it did, with the 4800 draw, until 2026-12-01).
+    spec = importlib.util.spec_from_file_location(
+        "chat_heldapart", Path(__file__).resolve().parent.parent / "experiments" / "chat_heldapart.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    from heads.instruction_prompts import instruction_prompts
+
+    questions = [q["turns"][0] for q in module.chat_questions()]
+    assert len(questions) == 14 and len(set(questions)) == 14
+    assert 4800 in module.SHIPPED_DRAWS
+    for draw in module.SHIPPED_DRAWS:
+        assert not set(questions) & set(instruction_prompts(draw, seed=1)), draw

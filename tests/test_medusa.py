@@ -470,8 +470,10 @@ def test_heads_train_entry_trains_and_ships_medusa_heads(tmp_path: Path, tiny_ta
 def test_trees_need_the_compact_engine_chains_do_not(load_tiny) -> None:
     hf = load_tiny("llama", backend="hf")
     heads = medusa_heads(hf, num_heads=3, seed=6)
-    with pytest.raises(SpecdecError, match="strategy.tree=chain"):
-        Medusa(hf, max_len=128, heads=heads, tree="default")
+    for tree in ("default", "dynamic"):
+        with pytest.raises(SpecdecError, match="strategy.tree=chain"):
+            Medusa(hf, max_len=128, heads=heads, tree=tree)
+    Medusa(hf, max_len=128, heads=heads, tree="dynamic", nodes=1)  # one node is a chain
     compact = load_tiny("llama")
     prompt = random_ids(8, VOCAB, seed=70)
     want = Greedy(compact, "greedy", max_len=128).generate(prompt, GenerationParams(20), 0).output_ids

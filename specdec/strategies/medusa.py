@@ -3,18 +3,23 @@
 Each step the heads read the hidden state of the newest accepted token; the tree's nodes are the
 heads' top-ranked guesses ("choices": one tuple of ranks per root-to-node path, head d filling depth
 d + 1). The shared loop verifies the whole tree in one target pass and keeps the longest accepted
-path. At temperature 0 acceptance is greedy (lossless). At temperature > 0 the default is Medusa's
+path. The tree is fixed (`strategy.tree`: a tuned file, `default`, `chain` or a list of paths) or, by
+default, `dynamic`: rebuilt every step from the heads' probabilities (`DynamicMedusaProposer`).
+At temperature 0 acceptance is greedy (lossless). At temperature > 0 the default is Medusa's
 typical acceptance, which is faster but NOT distribution-preserving; `acceptance=exact` uses the
 exact multi-candidate rule of `specdec.verify` instead.
 
 The heads come built from the config (`heads._target_` pointing at a loader in `heads/`), called
-with the target; this module only needs their `num_heads` and `topk`.
+with the target; this module only needs their `num_heads`, `topk` and `topk_logprobs`.
 """
 
 from __future__ import annotations
 
+import heapq
 import json
+import math
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -42,10 +47,27 @@ DEFAULT_TREE: tuple[tuple[int, ...], ...] = (
 ACCEPTANCE = ("typical", "exact")
 
 
+@dataclass(frozen=True)
+class DynamicTree:
+    """`strategy.tree=dynamic`: every step, the `nodes` most probable paths under the heads' own
+    probabilities (guesses per head: `width`), leaving out paths below `min_prob`."""
+
+    nodes: int = 5
+    width: int = 4
+    min_prob: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.nodes < 1 or self.width < 1 or not 0 <= self.min_prob < 1:
+            raise SpecdecError(f"strategy.tree=dynamic needs nodes >= 1, width >= 1 and 0 <= min_prob < 1; got "
+                               f"nodes={self.nodes}, width={self.width}, min_prob={self.min_prob}")
+
+
 class Heads(Protocol):
     num_heads: int
 
     def topk(self, hidden: Tensor, k: int, depth: int | None = None) -> Tensor: ...  # (dim,) -> (depth, k) ids
+
+    def topk_logprobs(self, hidden: Tensor, k: int, depth: int | None = None) -> tuple[Tensor, Tensor]: ...
 
 
 def tuned_tree_path(model_name: str) -> Path:
@@ -139,8 +161,9 @@ class MedusaProposer:
 
 class Medusa(SpeculativeStrategy):
     def __init__(self, target: LoadedModel, name: str = "medusa", max_len: int = 2048, prefill_chunk: int = 512,
-                 heads: Callable[..., Heads] | Heads | None = None, tree: str | Sequence[Sequence[int]] = "tuned",
-                 acceptance: str = "typical", epsilon: float = 0.09, delta: float = 0.3) -> None:
+                 heads: Callable[..., Heads] | Heads | None = None, tree: str | Sequence[Sequence[int]] = "dynamic",
+                 nodes: int = 5, width: int = 4, min_prob: float = 0.0, acceptance: str = "typical",
+                 epsilon: float = 0.09, delta: float = 0.3) -> None:
         super().__init__(target, name, max_len, prefill_chunk)
         if heads is None:
             raise SpecdecError("strategy=medusa needs heads: set strategy.heads (see configs/strategy/medusa.yaml)")
@@ -153,18 +176,81 @@ class Medusa(SpeculativeStrategy):
             tuned = tuned_tree_path(target.name)
             tree = str(tuned) if tuned.is_file() else "default"
         self.tree_source = tree if isinstance(tree, str) else "paths"
-        self.paths = load_tree(tree, self.heads.num_heads)
-        is_chain = sorted(self.paths) == chain_tree(max(map(len, self.paths)))
+        # nodes, width and min_prob shape only the dynamic tree; a fixed tree is its list of paths
+        self.tree: list[tuple[int, ...]] | DynamicTree = (
+            DynamicTree(nodes, width, min_prob) if tree == "dynamic" else load_tree(tree, self.heads.num_heads))
+        is_chain = (self.tree.nodes == 1 if isinstance(self.tree, DynamicTree)
+                    else sorted(self.tree) == chain_tree(max(map(len, self.tree))))
         if not is_chain and not getattr(self.engine, "supports_trees", False):
             raise SpecdecError(f"Medusa trees need the compact model but {target.name} runs through transformers; "
                                "use strategy.tree=chain")
         self.acceptance, self.epsilon, self.delta = acceptance, epsilon, delta
 
+    @property
+    def paths(self) -> list[tuple[int, ...]]:
+        """The fixed tree's paths (a dynamic tree has none until a step builds it)."""
+        if isinstance(self.tree, DynamicTree):
+            raise AttributeError("a dynamic tree has no fixed paths")
+        return self.tree
+
     def make_proposer(self) -> MedusaProposer:
         # the tree plus its root must fit the cache; the loop checks nothing else
-        return MedusaProposer(self.heads, self.paths, lambda: self.engine.max_len - self.engine.length - 1)
+        room = lambda: self.engine.max_len - self.engine.length - 1  # noqa: E731
+        if isinstance(self.tree, DynamicTree):
+            return DynamicMedusaProposer(self.heads, self.tree, room)
+        return MedusaProposer(self.heads, self.tree, room)
 
     def accept(self, proposal: Proposal, logits: Tensor, state: DecodeState) -> Verdict:
         if self.acceptance == "typical" and not state.params.sampling.greedy:
             return verify_typical(proposal, logits, state.params.sampling, state.generator, self.epsilon, self.delta)
         return super().accept(proposal, logits, state)
+
+
+class DynamicMedusaProposer(MedusaProposer):
+    """Builds a new tree every step from the heads' probabilities instead of one fixed tree.
+
+    A node's score is the product of its path's head probabilities (the heads guess independently
+    given the root, as Medusa's tree construction assumes); the `nodes` best paths form the tree, so a
+    confident first head buys depth and an unsure one buys siblings (the idea of EAGLE-2's dynamic
+    trees, applied to Medusa's heads). Paths below `min_prob` are left out, so unsure steps pass fewer
+    tokens. Deterministic: the same heads give the same tree, and verification keeps any tree lossless.
+    """
+
+    def __init__(self, heads: Heads, tree: DynamicTree, room: Callable[[], int]) -> None:
+        self.heads, self.nodes, self.width = heads, tree.nodes, tree.width
+        self.depth = heads.num_heads
+        self.log_min = math.log(tree.min_prob) if tree.min_prob > 0 else -math.inf
+        self.room = room
+        self.hidden: Tensor | None = None  # (dim,)
+
+    def propose(self, state: DecodeState) -> Proposal | None:
+        assert self.hidden is not None
+        useful = state.params.max_new_tokens - state.output_len - 1  # deeper nodes could never be kept
+        depth, budget = min(self.depth, useful), min(self.nodes, self.room())
+        if depth <= 0 or budget <= 0:
+            return None
+        ids, logp = self.heads.topk_logprobs(self.hidden, self.width, depth)  # (depth, width) each
+        ids_l, logp_l = ids.tolist(), logp.tolist()
+        # Best-first over paths of ranks: a path's score only falls as it grows or its last rank rises,
+        # so popping in score order and then offering its first child and next sibling yields the
+        # best `budget` paths, every parent before its children.
+        heap = [(-logp_l[0][0], (0,))]
+        index: dict[tuple[int, ...], int] = {(): 0}
+        tokens: list[int] = []
+        parents: list[int] = []
+        while heap and len(tokens) < budget:
+            neg, path = heapq.heappop(heap)
+            if -neg < self.log_min:
+                break
+            index[path] = len(tokens) + 1
+            tokens.append(ids_l[len(path) - 1][path[-1]])
+            parents.append(index[path[:-1]])
+            prefix = -neg - logp_l[len(path) - 1][path[-1]]  # the parent's score
+            if path[-1] + 1 < self.width:
+                heapq.heappush(heap, (-(prefix + logp_l[len(path) - 1][path[-1] + 1]), path[:-1] + (path[-1] + 1,)))
+            if len(path) < depth:
+                heapq.heappush(heap, (neg - logp_l[len(path)][0], path + (0,)))
+        if not tokens:
+            return None
+        return Proposal(torch.tensor(tokens), parents)
+
