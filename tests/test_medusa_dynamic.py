@@ -138,7 +138,7 @@ def test_medusa_config_builds_a_dynamic_tree_and_bad_settings_are_refused(tiny_t
     strategy = instantiate(cfg)(target=tiny_target, max_len=128, prefill_chunk=32)
     assert isinstance(strategy, Medusa) and strategy.tree == DynamicTree(cfg.nodes, cfg.width, cfg.min_prob)
     assert isinstance(strategy.make_proposer(), DynamicMedusaProposer)
-    for bad in ({"nodes": 0}, {"width": 0}, {"min_prob": 1.0}, {"min_prob": -0.1}):
+    for bad in ({"nodes": 0}, {"width": 0}, {"min_prob": 1.0}, {"min_prob": -0.1}, {"size": "big"}):
         with pytest.raises(SpecdecError, match="tree=dynamic needs"):
             instantiate(OmegaConf.merge(cfg, bad))(target=tiny_target, max_len=128, prefill_chunk=32)
 
@@ -192,3 +192,28 @@ def test_oracle_heads_accept_long_paths_through_dynamic_trees_and_stay_lossless(
         longest = max(longest, max(res.accept_lengths))
     assert longest >= 4  # paths three or more nodes deep were accepted in one pass
     assert any(keep != list(range(len(keep))) for keep in compactions)  # a kept path sat behind a sibling
+
+
+def test_cost_sizing_keeps_the_prefix_with_most_tokens_per_pass_time() -> None:
+    logp = [[math.log(0.8), math.log(0.1)], [math.log(0.5), math.log(0.05)]]  # paths: 0.8, 0.4, 0.1, ...
+    costs = [0.0, 1.0, 1.02, 1.05, 1.6]  # a third node makes the pass much dearer
+    proposer = DynamicMedusaProposer(FixedHeads(logp), DynamicTree(3, 2, size="cost"), lambda: 100, costs)
+    proposer.hidden = torch.zeros(4)
+    proposal = proposer.propose(_state())
+    # expected tokens (the root's included) over the pass cost, for 1, 2 and 3 nodes: 2 nodes win here
+    rates = [(1 + 0.8) / 1.02, (1 + 0.8 + 0.4) / 1.05, (1 + 0.8 + 0.4 + 0.1) / 1.6]
+    assert rates.index(max(rates)) == 1
+    assert proposal is not None and len(proposal.tokens) == 2
+    unsure = [[math.log(0.01), math.log(0.005)], [math.log(0.01), math.log(0.005)]]
+    proposer = DynamicMedusaProposer(FixedHeads(unsure), DynamicTree(3, 2, size="cost"), lambda: 100,
+                                     [0.0, 1.0, 1.2, 1.3, 1.4])
+    proposer.hidden = torch.zeros(4)
+    assert proposer.propose(_state()) is None  # 1.01 tokens for 1.2 passes: a plain step is better
+
+
+def test_cost_sized_trees_measure_costs_and_reproduce_greedy(tiny_target: LoadedModel) -> None:
+    medusa = Medusa(tiny_target, max_len=256, heads=medusa_heads(tiny_target, num_heads=4, seed=5),
+                    tree="dynamic", nodes=4, size="cost")
+    assert medusa.costs is not None and len(medusa.costs) == 6 and medusa.costs == sorted(medusa.costs)
+    want = Greedy(tiny_target, "greedy", max_len=256).generate(PROMPTS[0], GenerationParams(30), 0).output_ids
+    assert medusa.generate(PROMPTS[0], GenerationParams(30), 0).output_ids == want

@@ -26,7 +26,7 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor
 
-from specdec.engine.engine import ForwardOut
+from specdec.engine.engine import ForwardOut, pass_cost_curve
 from specdec.errors import SpecdecError
 from specdec.models.loader import LoadedModel
 from specdec.resolvers import REPO_ROOT
@@ -50,16 +50,20 @@ ACCEPTANCE = ("typical", "exact")
 @dataclass(frozen=True)
 class DynamicTree:
     """`strategy.tree=dynamic`: every step, the `nodes` most probable paths under the heads' own
-    probabilities (guesses per head: `width`), leaving out paths below `min_prob`."""
+    probabilities (guesses per head: `width`), leaving out paths below `min_prob`. `size=cost` keeps
+    only as many of them as maximise expected tokens per unit of pass time (pass costs measured at
+    start-up); `size=fixed` keeps all."""
 
     nodes: int = 5
     width: int = 4
     min_prob: float = 0.0
+    size: str = "fixed"
 
     def __post_init__(self) -> None:
-        if self.nodes < 1 or self.width < 1 or not 0 <= self.min_prob < 1:
-            raise SpecdecError(f"strategy.tree=dynamic needs nodes >= 1, width >= 1 and 0 <= min_prob < 1; got "
-                               f"nodes={self.nodes}, width={self.width}, min_prob={self.min_prob}")
+        if self.nodes < 1 or self.width < 1 or not 0 <= self.min_prob < 1 or self.size not in ("fixed", "cost"):
+            raise SpecdecError(f"strategy.tree=dynamic needs nodes >= 1, width >= 1, 0 <= min_prob < 1 and size "
+                               f"fixed or cost; got nodes={self.nodes}, width={self.width}, "
+                               f"min_prob={self.min_prob}, size={self.size!r}")
 
 
 class Heads(Protocol):
@@ -162,7 +166,7 @@ class MedusaProposer:
 class Medusa(SpeculativeStrategy):
     def __init__(self, target: LoadedModel, name: str = "medusa", max_len: int = 2048, prefill_chunk: int = 512,
                  heads: Callable[..., Heads] | Heads | None = None, tree: str | Sequence[Sequence[int]] = "dynamic",
-                 nodes: int = 5, width: int = 4, min_prob: float = 0.0, acceptance: str = "typical",
+                 nodes: int = 5, width: int = 4, min_prob: float = 0.0, size: str = "fixed", acceptance: str = "typical",
                  epsilon: float = 0.09, delta: float = 0.3) -> None:
         super().__init__(target, name, max_len, prefill_chunk)
         if heads is None:
@@ -178,13 +182,19 @@ class Medusa(SpeculativeStrategy):
         self.tree_source = tree if isinstance(tree, str) else "paths"
         # nodes, width and min_prob shape only the dynamic tree; a fixed tree is its list of paths
         self.tree: list[tuple[int, ...]] | DynamicTree = (
-            DynamicTree(nodes, width, min_prob) if tree == "dynamic" else load_tree(tree, self.heads.num_heads))
+            DynamicTree(nodes, width, min_prob, size) if tree == "dynamic" else load_tree(tree, self.heads.num_heads))
         is_chain = (self.tree.nodes == 1 if isinstance(self.tree, DynamicTree)
                     else sorted(self.tree) == chain_tree(max(map(len, self.tree))))
         if not is_chain and not getattr(self.engine, "supports_trees", False):
             raise SpecdecError(f"Medusa trees need the compact model but {target.name} runs through transformers; "
                                "use strategy.tree=chain")
         self.acceptance, self.epsilon, self.delta = acceptance, epsilon, delta
+        self.costs: list[float] | None = None  # costs[n]: a pass over n tokens / one token
+        if isinstance(self.tree, DynamicTree) and self.tree.size == "cost":
+            measured = pass_cost_curve(self.engine, list(range(2, self.tree.nodes + 2)))
+            self.costs = [0.0, 1.0]
+            for n in range(2, self.tree.nodes + 2):  # a bigger pass never counts as cheaper
+                self.costs.append(max(self.costs[-1], measured[n]))
 
     @property
     def paths(self) -> list[tuple[int, ...]]:
@@ -197,7 +207,7 @@ class Medusa(SpeculativeStrategy):
         # the tree plus its root must fit the cache; the loop checks nothing else
         room = lambda: self.engine.max_len - self.engine.length - 1  # noqa: E731
         if isinstance(self.tree, DynamicTree):
-            return DynamicMedusaProposer(self.heads, self.tree, room)
+            return DynamicMedusaProposer(self.heads, self.tree, room, self.costs)
         return MedusaProposer(self.heads, self.tree, room)
 
     def accept(self, proposal: Proposal, logits: Tensor, state: DecodeState) -> Verdict:
@@ -216,8 +226,9 @@ class DynamicMedusaProposer(MedusaProposer):
     tokens. Deterministic: the same heads give the same tree, and verification keeps any tree lossless.
     """
 
-    def __init__(self, heads: Heads, tree: DynamicTree, room: Callable[[], int]) -> None:
-        self.heads, self.nodes, self.width = heads, tree.nodes, tree.width
+    def __init__(self, heads: Heads, tree: DynamicTree, room: Callable[[], int],
+                 costs: list[float] | None = None) -> None:
+        self.heads, self.nodes, self.width, self.costs = heads, tree.nodes, tree.width, costs
         self.depth = heads.num_heads
         self.log_min = math.log(tree.min_prob) if tree.min_prob > 0 else -math.inf
         self.room = room
@@ -238,10 +249,12 @@ class DynamicMedusaProposer(MedusaProposer):
         index: dict[tuple[int, ...], int] = {(): 0}
         tokens: list[int] = []
         parents: list[int] = []
+        scores: list[float] = []  # popped in falling order: any prefix holds the best paths
         while heap and len(tokens) < budget:
             neg, path = heapq.heappop(heap)
             if -neg < self.log_min:
                 break
+            scores.append(-neg)
             index[path] = len(tokens) + 1
             tokens.append(ids_l[len(path) - 1][path[-1]])
             parents.append(index[path[:-1]])
@@ -250,6 +263,12 @@ class DynamicMedusaProposer(MedusaProposer):
                 heapq.heappush(heap, (-(prefix + logp_l[len(path) - 1][path[-1] + 1]), path[:-1] + (path[-1] + 1,)))
             if len(path) < depth:
                 heapq.heappush(heap, (neg - logp_l[len(path)][0], path + (0,)))
+        if self.costs is not None:  # the prefix with the most expected tokens (root's included) per pass time
+            expected = 1.0 + torch.tensor(scores).exp().cumsum(0)  # (n,) for 1..n nodes
+            rate = expected / torch.tensor(self.costs[2:len(scores) + 2])
+            best = int(rate.argmax())
+            n = best + 1 if float(rate[best]) > 1.0 else 0  # 1.0: no tree, a plain one-token step
+            tokens, parents = tokens[:n], parents[:n]
         if not tokens:
             return None
         return Proposal(torch.tensor(tokens), parents)
