@@ -166,8 +166,8 @@ class MedusaProposer:
 class Medusa(SpeculativeStrategy):
     def __init__(self, target: LoadedModel, name: str = "medusa", max_len: int = 2048, prefill_chunk: int = 512,
                  heads: Callable[..., Heads] | Heads | None = None, tree: str | Sequence[Sequence[int]] = "dynamic",
-                 nodes: int = 5, width: int = 4, min_prob: float = 0.0, size: str = "fixed", acceptance: str = "typical",
-                 epsilon: float = 0.09, delta: float = 0.3) -> None:
+                 nodes: int = 5, width: int = 4, min_prob: float = 0.0, size: str = "fixed",
+                 acceptance: str = "typical", epsilon: float = 0.09, delta: float = 0.3) -> None:
         super().__init__(target, name, max_len, prefill_chunk)
         if heads is None:
             raise SpecdecError("strategy=medusa needs heads: set strategy.heads (see configs/strategy/medusa.yaml)")
