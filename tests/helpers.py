@@ -132,3 +132,16 @@ def tiny_train_overrides(head: str, out: Any, data_dir: Any, max_new_tokens: int
             "data.batch_size=4",
             "train.batch_size=2", "train.seq_len=96", "train.torch_threads=1", "train.log_every=100",
             "train.val_fraction=0"]
+
+
+def spy_compactions(strategy: SpeculativeStrategy) -> list[list[int]]:
+    """Record every K/V compaction of the strategy's engine as the kept slots relative to its start."""
+    compactions: list[list[int]] = []
+    real_compact = strategy.engine.compact
+
+    def spy(start: int, keep: list[int]) -> None:
+        compactions.append([k - start for k in keep])
+        real_compact(start, keep)
+
+    strategy.engine.compact = spy  # type: ignore[method-assign]
+    return compactions

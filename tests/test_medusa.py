@@ -7,7 +7,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers import assert_cache_matches_fresh, chain_forward, random_ids, tiny_train_overrides
+from helpers import assert_cache_matches_fresh, chain_forward, random_ids, spy_compactions, tiny_train_overrides
 from omegaconf import OmegaConf
 
 from heads.medusa import CONFIG_FILE, MedusaHeads, load_heads, medusa_heads, output_weight
@@ -232,14 +232,7 @@ class OracleProposer(MedusaProposer):
 def test_oracle_heads_accept_long_paths_and_stay_lossless(tiny_target: LoadedModel, tree: str) -> None:
     n = 48
     medusa = Medusa(tiny_target, max_len=256, heads=medusa_heads(tiny_target, num_heads=4), tree=TREES[tree])
-    compactions: list[list[int]] = []
-    real_compact = medusa.engine.compact
-
-    def spy(start: int, keep: list[int]) -> None:
-        compactions.append([k - start for k in keep])
-        real_compact(start, keep)
-
-    medusa.engine.compact = spy  # type: ignore[method-assign]
+    compactions = spy_compactions(medusa)
     longest = 0
     room = lambda: medusa.engine.max_len - medusa.engine.length - 1  # noqa: E731
     for i, (prompt, want) in enumerate(zip(PROMPTS, _greedy_outputs(tiny_target, PROMPTS, n + 8))):

@@ -7,7 +7,7 @@ import math
 
 import pytest
 import torch
-from helpers import random_ids
+from helpers import random_ids, spy_compactions
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 from torch import Tensor
@@ -171,14 +171,7 @@ class OracleProposer(DynamicMedusaProposer):
 
 def test_oracle_heads_accept_long_paths_through_dynamic_trees_and_stay_lossless(tiny_target: LoadedModel) -> None:
     medusa = Medusa(tiny_target, max_len=256, heads=medusa_heads(tiny_target, num_heads=4), tree="dynamic", nodes=6)
-    compactions: list[list[int]] = []
-    real_compact = medusa.engine.compact
-
-    def spy(start: int, keep: list[int]) -> None:
-        compactions.append([k - start for k in keep])
-        real_compact(start, keep)
-
-    medusa.engine.compact = spy  # type: ignore[method-assign]
+    compactions = spy_compactions(medusa)
     greedy = Greedy(tiny_target, "greedy", max_len=256)
     longest = 0
     room = lambda: medusa.engine.max_len - medusa.engine.length - 1  # noqa: E731

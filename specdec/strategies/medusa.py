@@ -125,8 +125,20 @@ def _read_tree_file(path: Path) -> Any:
     return data["choices"] if isinstance(data, dict) else data
 
 
-class MedusaProposer:
-    """Keeps the hidden state of the newest accepted token and turns the heads' top-k into the tree."""
+class HeadsProposer:
+    """Keeps the hidden state of the newest accepted token, which the heads read each step."""
+
+    hidden: Tensor | None = None  # (dim,)
+
+    def start(self, state: DecodeState, out: ForwardOut) -> None:
+        self.hidden = out.hidden[-1]
+
+    def commit(self, state: DecodeState, verdict: Verdict, out: ForwardOut) -> None:
+        self.hidden = out.hidden[verdict.nodes[-1] if verdict.nodes else 0]
+
+
+class MedusaProposer(HeadsProposer):
+    """Turns the heads' top-k into one fixed tree."""
 
     def __init__(self, heads: Heads, paths: list[tuple[int, ...]], room: Callable[[], int]) -> None:
         self.heads = heads
@@ -138,10 +150,6 @@ class MedusaProposer:
         self.depth = max(depth)  # heads the tree reads: deeper ones are not run
         self.up_to = [sum(d <= m for d in depth) for m in range(max(depth) + 1)]  # nodes of depth <= m
         self.room = room
-        self.hidden: Tensor | None = None  # (dim,)
-
-    def start(self, state: DecodeState, out: ForwardOut) -> None:
-        self.hidden = out.hidden[-1]
 
     def candidates(self, state: DecodeState) -> Tensor:
         """(depth, width) guesses: row d ranks the heads' guesses for the token d + 1 after the root."""
@@ -158,9 +166,6 @@ class MedusaProposer:
         if n <= 0:
             return None
         return Proposal(tokens[:n], self.parents[:n])
-
-    def commit(self, state: DecodeState, verdict: Verdict, out: ForwardOut) -> None:
-        self.hidden = out.hidden[verdict.nodes[-1] if verdict.nodes else 0]
 
 
 class Medusa(SpeculativeStrategy):
@@ -203,7 +208,7 @@ class Medusa(SpeculativeStrategy):
             raise AttributeError("a dynamic tree has no fixed paths")
         return self.tree
 
-    def make_proposer(self) -> MedusaProposer:
+    def make_proposer(self) -> HeadsProposer:
         # the tree plus its root must fit the cache; the loop checks nothing else
         room = lambda: self.engine.max_len - self.engine.length - 1  # noqa: E731
         if isinstance(self.tree, DynamicTree):
@@ -216,7 +221,7 @@ class Medusa(SpeculativeStrategy):
         return super().accept(proposal, logits, state)
 
 
-class DynamicMedusaProposer(MedusaProposer):
+class DynamicMedusaProposer(HeadsProposer):
     """Builds a new tree every step from the heads' probabilities instead of one fixed tree.
 
     A node's score is the product of its path's head probabilities (the heads guess independently
@@ -232,7 +237,6 @@ class DynamicMedusaProposer(MedusaProposer):
         self.depth = heads.num_heads
         self.log_min = math.log(tree.min_prob) if tree.min_prob > 0 else -math.inf
         self.room = room
-        self.hidden: Tensor | None = None  # (dim,)
 
     def propose(self, state: DecodeState) -> Proposal | None:
         assert self.hidden is not None
