@@ -5,6 +5,14 @@ the target's own output head already predicts t + 1. Each head is a stack of res
 x + SiLU(W x + b) followed by an output projection: the target's frozen output head ("shared", the
 cheap default: all K heads go through one matmul) or a trainable copy per head ("own").
 
+With `root_input` the first block of each head also reads token t + 1 itself, the root of the next
+tree, which is known when the heads run (the target just chose it):
+x + SiLU(W x + U e(t + 1) + b), e being that token's row of the target's frozen output head. Plain
+Medusa-1 heads must guess t + k + 2 without knowing which t + 1 the target picked, and hedge when
+several were likely; conditioning on it is the first step of Hydra's sequentially dependent heads
+(Ankner et al. 2024), at the price of one more dim x dim product per head. Off by default, as in
+Medusa-1; `U` starts at zero, so such heads start as plain ones.
+
 On a CPU a full-vocabulary projection costs as much as a good part of a target step, so a head may
 keep only the N most frequent tokens of the distillation data (`kept_ids`); its top-k ids are
 mapped back to the full vocabulary.
@@ -47,6 +55,7 @@ class MedusaConfig:
     num_layers: int = 1  # residual blocks per head
     projection: str = "shared"  # "shared": the target's frozen output head; "own": one trainable copy per head
     head_vocab: int | None = None  # kept vocabulary size; None = the full vocabulary
+    root_input: bool = False  # first blocks also read the tree's root token (see the module docstring)
 
     def __post_init__(self) -> None:
         if self.projection not in PROJECTIONS:
@@ -54,6 +63,9 @@ class MedusaConfig:
         if self.num_heads < 1 or self.num_layers < 0:
             raise SpecdecError(f"Medusa needs num_heads >= 1 and num_layers >= 0, got {self.num_heads} "
                                f"and {self.num_layers}")
+        if self.root_input and self.num_layers < 1:
+            raise SpecdecError("Medusa root_input feeds the root token into each head's first block; "
+                               "it needs num_layers >= 1")
 
 
 def output_weight(target: LoadedModel) -> Tensor:
@@ -91,8 +103,9 @@ class ResBlock(nn.Module):
         nn.init.zeros_(self.linear.weight)
         nn.init.zeros_(self.linear.bias)
 
-    def forward(self, x: Tensor) -> Tensor:
-        return x + F.silu(self.linear(x))
+    def forward(self, x: Tensor, extra: Tensor | None = None) -> Tensor:
+        y = self.linear(x)
+        return x + F.silu(y if extra is None else y + extra)
 
 
 class MedusaHeads(nn.Module):
@@ -116,6 +129,11 @@ class MedusaHeads(nn.Module):
         to_head = torch.full((V,), -100, dtype=torch.long)
         to_head[self.kept_ids] = torch.arange(len(kept))
         self.register_buffer("to_head", to_head, persistent=False)
+        self.root_in: nn.Parameter | None = None
+        if cfg.root_input:
+            self.root_in = nn.Parameter(torch.zeros(cfg.num_heads, dim, dim))  # (K, dim, dim): U of each head
+            # (V, dim) frozen rows that stand for the root token, over the full vocabulary
+            self.register_buffer("root_rows", base_weight.detach().float().clone(), persistent=False)
         w = base_weight.detach().float()[self.kept_ids].contiguous()  # (V', dim)
         if cfg.projection == "own":
             self.proj = nn.Parameter(w[None].repeat(cfg.num_heads, 1, 1))  # (K, V', dim)
@@ -145,12 +163,15 @@ class MedusaHeads(nn.Module):
         layers = []
         for layer in range(self.cfg.num_layers):
             linears = [blocks[layer].linear for blocks in self.blocks]
+            mats = [lin.weight.detach().float() for lin in linears]  # (dim, dim) each
+            if layer == 0 and self.root_in is not None:  # [W | U] reads [x, e(root)] in one product
+                mats = [torch.cat([m, u.detach().float()], dim=1) for m, u in zip(mats, self.root_in)]
             # each head's panels in turn: head h owns panels h * P .. (h + 1) * P - 1
-            panels = np.concatenate([cpu_kernels.pack(lin.weight.detach().float().numpy()) for lin in linears])
+            panels = np.concatenate([cpu_kernels.pack(m.numpy()) for m in mats])
             layers.append((panels, torch.stack([lin.bias.detach().float() for lin in linears]).numpy()))
         self.block_panels = layers
 
-    def _cpu_features(self, hidden: Tensor, depth: int) -> np.ndarray:
+    def _cpu_features(self, hidden: Tensor, depth: int, root: int | None = None) -> np.ndarray:
         """(dim,) -> (depth, dim): the first `depth` heads' residual stacks on the CPU kernels. Every head
         reads the same state, so their first blocks are one product of one row."""
         assert self.block_panels is not None
@@ -160,7 +181,10 @@ class MedusaHeads(nn.Module):
             per_head = len(panels) // self.num_heads
             width = per_head * panels.shape[2]
             if layer == 0:
-                y = cpu_kernels.matmul(x[:1], panels[:depth * per_head], depth * width).reshape(depth, width)
+                row = x[:1]  # (1, dim), or (1, 2 dim) with the root's row beside it
+                if self.root_in is not None:
+                    row = np.concatenate([row, self._root_row(root).numpy()[None]], axis=1)
+                y = cpu_kernels.matmul(row, panels[:depth * per_head], depth * width).reshape(depth, width)
             else:
                 y = np.concatenate([cpu_kernels.matmul(x[h:h + 1], panels[h * per_head:(h + 1) * per_head], width)
                                     for h in range(depth)])
@@ -173,28 +197,50 @@ class MedusaHeads(nn.Module):
     def num_heads(self) -> int:
         return self.cfg.num_heads
 
-    def features(self, hidden: Tensor) -> Tensor:
-        """(..., dim) -> (..., K, dim): each head's residual stack."""
-        return torch.stack([blocks(hidden) for blocks in self.blocks], dim=-2)
+    def _root_row(self, root: int | Tensor | None) -> Tensor:
+        assert self.root_in is not None
+        if root is None:
+            raise ValueError("these Medusa heads read the root token (root_input); pass root")
+        return self.root_rows[root]
+
+    def features(self, hidden: Tensor, root: Tensor | None = None, depth: int | None = None) -> Tensor:
+        """(..., dim) states, (...,) root ids when the heads read them -> (..., d, dim): the first d heads'
+        residual stacks (all K by default)."""
+        d = self.num_heads if depth is None else depth
+        extra = None
+        if self.root_in is not None:
+            e = self._root_row(root).to(hidden.dtype)  # (..., dim)
+            extra = torch.einsum("...i,koi->...ko", e, self.root_in[:d].to(hidden.dtype))  # (..., d, dim)
+        outs = []
+        for k, blocks in enumerate(self.blocks[:d]):
+            x = hidden
+            for i, block in enumerate(blocks):
+                x = block(x, extra[..., k, :] if extra is not None and i == 0 else None)
+            outs.append(x)
+        return torch.stack(outs, dim=-2)
+
+    @property
+    def reads_root(self) -> bool:
+        return self.root_in is not None
 
     def head_logits(self, x: Tensor, k: int) -> Tensor:
         """(..., dim) features of head k -> (..., V') logits: one head at a time keeps training memory low."""
         w = self.proj[k] if self.proj.ndim == 3 else self.proj
         return x @ w.t()
 
-    def forward(self, hidden: Tensor) -> Tensor:
-        x = self.features(hidden)  # (..., K, dim)
+    def forward(self, hidden: Tensor, root: Tensor | None = None) -> Tensor:
+        x = self.features(hidden, root)  # (..., K, dim)
         if self.proj.ndim == 3:
             return torch.einsum("...kd,kvd->...kv", x, self.proj)  # (..., K, V')
         return x @ self.proj.t()  # (..., K, V'): every head in one matmul
 
-    def _step_logits(self, hidden: Tensor, depth: int | None) -> Tensor:
+    def _step_logits(self, hidden: Tensor, depth: int | None, root: int | None = None) -> Tensor:
         """(dim,) -> (d, V') logits of the first d heads (all K by default)."""
         d = self.num_heads if depth is None else depth
         if self.block_panels is not None:
-            x = torch.from_numpy(self._cpu_features(hidden, d))  # (d, dim)
+            x = torch.from_numpy(self._cpu_features(hidden, d, root))  # (d, dim)
         else:
-            x = torch.stack([blocks(hidden.float()) for blocks in self.blocks[:d]])  # (d, dim)
+            x = self.features(hidden.float(), None if root is None else torch.tensor(root), d)  # (d, dim)
         if self.proj.ndim == 3:
             return torch.bmm(self.proj[:d], x[:, :, None])[..., 0]  # (d, V')
         if self.proj_panels is not None:
@@ -203,15 +249,17 @@ class MedusaHeads(nn.Module):
         return (self.proj @ x.t()).t()  # (d, V')
 
     @torch.inference_mode()
-    def topk(self, hidden: Tensor, k: int, depth: int | None = None) -> Tensor:
+    def topk(self, hidden: Tensor, k: int, depth: int | None = None, root: int | None = None) -> Tensor:
         """(dim,) hidden state of the newest accepted token -> (depth, k) candidate ids in the full vocabulary
-        from the first `depth` heads (all K by default): a tree `depth` deep has no use for deeper heads."""
-        return self.kept_ids[self._step_logits(hidden, depth).topk(k, dim=-1).indices]
+        from the first `depth` heads (all K by default): a tree `depth` deep has no use for deeper heads.
+        `root`: the token the target chose after it, for heads that read it (`reads_root`)."""
+        return self.kept_ids[self._step_logits(hidden, depth, root).topk(k, dim=-1).indices]
 
     @torch.inference_mode()
-    def topk_logprobs(self, hidden: Tensor, k: int, depth: int | None = None) -> tuple[Tensor, Tensor]:
+    def topk_logprobs(self, hidden: Tensor, k: int, depth: int | None = None,
+                      root: int | None = None) -> tuple[Tensor, Tensor]:
         """As `topk`, with each guess's log-probability under its head: (depth, k) ids, (depth, k) float32."""
-        logits = self._step_logits(hidden, depth).float()
+        logits = self._step_logits(hidden, depth, root).float()
         top = logits.topk(k, dim=-1)
         return self.kept_ids[top.indices], top.values - torch.logsumexp(logits, dim=-1, keepdim=True)
 
@@ -228,13 +276,13 @@ class MedusaHeads(nn.Module):
 
 
 def new_config(target: LoadedModel, num_heads: int = 4, num_layers: int = 1, projection: str = "shared",
-               head_vocab: int | None = None) -> MedusaConfig:
+               head_vocab: int | None = None, root_input: bool = False) -> MedusaConfig:
     w = output_weight(target)
     V, dim = w.shape
     if head_vocab is not None and not 0 < head_vocab <= V:
         raise SpecdecError(f"Medusa head_vocab={head_vocab} must be in 1..{V} (the target's vocabulary) or null")
     return MedusaConfig(target.name, fingerprint(w), dim, V, num_heads, num_layers, projection,
-                        None if head_vocab in (None, V) else head_vocab)
+                        None if head_vocab in (None, V) else head_vocab, root_input)
 
 
 def check_match(cfg: MedusaConfig, target: LoadedModel, where: str) -> None:
@@ -285,7 +333,7 @@ def _for_inference(heads: MedusaHeads, target: LoadedModel, weights: str = "fp32
 
 def medusa_heads(target: LoadedModel, path: str | None = None, num_heads: int = 4, num_layers: int = 1,
                  projection: str = "shared", head_vocab: int | None = None, seed: int | None = None,
-                 weights: str = "fp32") -> MedusaHeads:
+                 weights: str = "fp32", root_input: bool = False) -> MedusaHeads:
     """Strategy config entry (`strategy.heads`): trained heads from `path`, or untrained ones when path is null.
 
     Untrained heads start as copies of the target's own head (zero-initialised blocks); `seed` gives
@@ -294,13 +342,13 @@ def medusa_heads(target: LoadedModel, path: str | None = None, num_heads: int = 
     """
     if path:
         return load_heads(target, path, weights)
-    cfg = new_config(target, num_heads, num_layers, projection, head_vocab)
+    cfg = new_config(target, num_heads, num_layers, projection, head_vocab, root_input)
     kept = torch.arange(cfg.head_vocab) if cfg.head_vocab is not None else None
     heads = MedusaHeads(cfg, output_weight(target), kept)
     if seed is not None:
         gen = torch.Generator().manual_seed(seed)
         with torch.no_grad():
             for name, p in heads.named_parameters():
-                if name.startswith("blocks."):
+                if name.startswith(("blocks.", "root_in")):
                     p.copy_(torch.randn(p.shape, generator=gen) / p.shape[-1] ** 0.5)
     return _for_inference(heads, target, weights)

@@ -55,8 +55,13 @@ class MedusaLoss(nn.Module):
         heads = self.heads
         if kl_weight > 0 and heads.proj.ndim != 2:
             raise ValueError("head.kl_weight > 0 needs projection=shared (the target's own head gives the KL)")
-        x = heads.features(hidden.to(heads.proj.dtype))  # (B, T, K, dim)
         T = labels.shape[1]
+        root = None
+        if heads.reads_root:  # the root of position t's tree is token t + 1
+            if input_ids is None:
+                raise ValueError("heads with root_input need input_ids")
+            root = torch.cat([input_ids[:, 1:], input_ids.new_zeros(input_ids.shape[0], 1)], 1).clamp_min(0)
+        x = heads.features(hidden.to(heads.proj.dtype), root)  # (B, T, K, dim)
         ce, top1, top5 = [], [], []
         for k in range(heads.num_heads):
             # head k at t guesses token t + k + 2, which is labels[t + k + 1]
@@ -108,7 +113,7 @@ class MedusaTrainable:
 
     def __init__(self, num_heads: int = 4, num_layers: int = 1, projection: str = "shared",
                  head_vocab: int | None = 8192, decay: float = 0.8, prompt_weight: float = 0.0,
-                 kl_weight: float = 0.0) -> None:
+                 kl_weight: float = 0.0, root_input: bool = False) -> None:
         if kl_weight < 0:
             raise SpecdecError(f"head.kl_weight must be >= 0, got {kl_weight}")
         if kl_weight > 0 and projection != "shared":
@@ -116,10 +121,10 @@ class MedusaTrainable:
                                "distribution); set head.kl_weight=0 for own projections")
         self.num_heads, self.num_layers, self.projection = num_heads, num_layers, projection
         self.head_vocab, self.decay, self.prompt_weight = head_vocab, decay, prompt_weight
-        self.kl_weight = kl_weight
+        self.kl_weight, self.root_input = kl_weight, root_input
 
     def build(self, target: LoadedModel, data: Any = None) -> MedusaLoss:
-        cfg = new_config(target, self.num_heads, self.num_layers, self.projection, self.head_vocab)
+        cfg = new_config(target, self.num_heads, self.num_layers, self.projection, self.head_vocab, self.root_input)
         kept = None
         if cfg.head_vocab is not None:
             if data is None:

@@ -108,13 +108,13 @@ def calibrate(target: LoadedModel, heads: Any, prompts: list[list[int]], max_new
                 hidden.append(out.hidden[-1])
                 tok = int(out.logits[-1].argmax())
             t0 = time.perf_counter()
-            heads.topk(hidden[-1], width)
+            heads.topk(hidden[-1], width, **({"root": seq[-1]} if getattr(heads, "reads_root", False) else {}))
             heads_times.append(time.perf_counter() - t0)
             n = len(seq) - K - 1  # positions whose K future tokens are all known
             if n <= 0:
                 continue
-            top = _topk_ids(heads, torch.stack(hidden[:n]), width)  # (n, K, width)
             ids = torch.tensor(seq)
+            top = _topk_ids(heads, torch.stack(hidden[:n]), width, ids[1:n + 1])  # (n, K, width)
             truth = torch.stack([ids[k + 2: k + 2 + n] for k in range(K)], dim=1)  # (n, K)
             hit = top == truth[..., None]  # (n, K, width)
             rank = torch.where(hit.any(-1), hit.int().argmax(-1), torch.full_like(truth, width))
@@ -125,8 +125,9 @@ def calibrate(target: LoadedModel, heads: Any, prompts: list[list[int]], max_new
     return Calibration(torch.cat(rows), width, step_s / max(steps, 1), heads_s)
 
 
-def _topk_ids(heads: Any, hidden: Tensor, width: int) -> Tensor:
-    logits = heads(hidden.float())  # (n, K, V')
+def _topk_ids(heads: Any, hidden: Tensor, width: int, root: Tensor | None = None) -> Tensor:
+    """(n, dim) states and (n,) root tokens (the target's choice after each) -> (n, K, width) ids."""
+    logits = heads(hidden.float(), root) if getattr(heads, "reads_root", False) else heads(hidden.float())
     idx = logits.topk(width, dim=-1).indices
     return heads.kept_ids[idx] if hasattr(heads, "kept_ids") else idx
 

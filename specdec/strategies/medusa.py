@@ -68,10 +68,13 @@ class DynamicTree:
 
 class Heads(Protocol):
     num_heads: int
+    reads_root: bool  # the heads also read the root token (passed as `root`)
 
-    def topk(self, hidden: Tensor, k: int, depth: int | None = None) -> Tensor: ...  # (dim,) -> (depth, k) ids
+    def topk(self, hidden: Tensor, k: int, depth: int | None = None, root: int | None = None) -> Tensor: ...
+    # (dim,) -> (depth, k) ids
 
-    def topk_logprobs(self, hidden: Tensor, k: int, depth: int | None = None) -> tuple[Tensor, Tensor]: ...
+    def topk_logprobs(self, hidden: Tensor, k: int, depth: int | None = None,
+                      root: int | None = None) -> tuple[Tensor, Tensor]: ...
 
 
 def tuned_tree_path(model_name: str) -> Path:
@@ -129,6 +132,11 @@ class HeadsProposer:
     """Keeps the hidden state of the newest accepted token, which the heads read each step."""
 
     hidden: Tensor | None = None  # (dim,)
+    heads: Heads
+
+    def root(self, state: DecodeState) -> dict[str, int]:
+        """The keyword that hands heads reading the root token its id (the target's choice after `hidden`)."""
+        return {"root": state.ids[-1]} if getattr(self.heads, "reads_root", False) else {}
 
     def start(self, state: DecodeState, out: ForwardOut) -> None:
         self.hidden = out.hidden[-1]
@@ -154,7 +162,7 @@ class MedusaProposer(HeadsProposer):
     def candidates(self, state: DecodeState) -> Tensor:
         """(depth, width) guesses: row d ranks the heads' guesses for the token d + 1 after the root."""
         assert self.hidden is not None
-        return self.heads.topk(self.hidden, self.width, self.depth)
+        return self.heads.topk(self.hidden, self.width, self.depth, **self.root(state))
 
     def propose(self, state: DecodeState) -> Proposal | None:
         top = self.candidates(state).cpu()
@@ -244,7 +252,7 @@ class DynamicMedusaProposer(HeadsProposer):
         depth, budget = min(self.depth, useful), min(self.nodes, self.room())
         if depth <= 0 or budget <= 0:
             return None
-        ids, logp = self.heads.topk_logprobs(self.hidden, self.width, depth)  # (depth, width) each
+        ids, logp = self.heads.topk_logprobs(self.hidden, self.width, depth, **self.root(state))  # (depth, width)
         ids_l, logp_l = ids.tolist(), logp.tolist()
         # Best-first over paths of ranks: a path's score only falls as it grows or its last rank rises,
         # so popping in score order and then offering its first child and next sibling yields the
