@@ -133,7 +133,7 @@ class MedusaHeads(nn.Module):
         if cfg.root_input:
             self.root_in = nn.Parameter(torch.zeros(cfg.num_heads, dim, dim))  # (K, dim, dim): U of each head
             # (V, dim) frozen rows that stand for the root token, over the full vocabulary
-            self.register_buffer("root_rows", base_weight.detach().float().clone(), persistent=False)
+            self.register_buffer("root_rows", base_weight.detach().float(), persistent=False)  # no copy in fp32
         w = base_weight.detach().float()[self.kept_ids].contiguous()  # (V', dim)
         if cfg.projection == "own":
             self.proj = nn.Parameter(w[None].repeat(cfg.num_heads, 1, 1))  # (K, V', dim)

@@ -108,7 +108,7 @@ def calibrate(target: LoadedModel, heads: Any, prompts: list[list[int]], max_new
                 hidden.append(out.hidden[-1])
                 tok = int(out.logits[-1].argmax())
             t0 = time.perf_counter()
-            heads.topk(hidden[-1], width, **({"root": seq[-1]} if getattr(heads, "reads_root", False) else {}))
+            heads.topk(hidden[-1], width, root=tok)  # tok: the target's choice after hidden[-1]
             heads_times.append(time.perf_counter() - t0)
             n = len(seq) - K - 1  # positions whose K future tokens are all known
             if n <= 0:
@@ -127,7 +127,7 @@ def calibrate(target: LoadedModel, heads: Any, prompts: list[list[int]], max_new
 
 def _topk_ids(heads: Any, hidden: Tensor, width: int, root: Tensor | None = None) -> Tensor:
     """(n, dim) states and (n,) root tokens (the target's choice after each) -> (n, K, width) ids."""
-    logits = heads(hidden.float(), root) if getattr(heads, "reads_root", False) else heads(hidden.float())
+    logits = heads(hidden.float(), root)  # (n, K, V'); heads that do not read the root ignore it
     idx = logits.topk(width, dim=-1).indices
     return heads.kept_ids[idx] if hasattr(heads, "kept_ids") else idx
 

@@ -32,7 +32,8 @@ class FixedHeads:
         self.logp = torch.tensor(logp)
         self.num_heads = len(logp)
 
-    def topk_logprobs(self, hidden: Tensor, k: int, depth: int | None = None) -> tuple[Tensor, Tensor]:
+    def topk_logprobs(self, hidden: Tensor, k: int, depth: int | None = None,
+                      root: int | None = None) -> tuple[Tensor, Tensor]:
         d = self.num_heads if depth is None else depth
         ids = 100 * torch.arange(d)[:, None] + torch.arange(k)[None]  # token 100*d + rank: easy to read back
         return ids, self.logp[:d, :k]
@@ -151,7 +152,8 @@ class OracleHeads:
         self.gen = torch.Generator().manual_seed(seed)
         self.root = 0  # index in `reference` of the token the heads read
 
-    def topk_logprobs(self, hidden: Tensor, k: int, depth: int | None = None) -> tuple[Tensor, Tensor]:
+    def topk_logprobs(self, hidden: Tensor, k: int, depth: int | None = None,
+                      root: int | None = None) -> tuple[Tensor, Tensor]:
         d = self.num_heads if depth is None else depth
         ids = torch.randint(3, VOCAB, (d, k), generator=self.gen)
         for h in range(d):

@@ -67,11 +67,12 @@ class DynamicTree:
 
 
 class Heads(Protocol):
+    """(dim,) hidden state of the newest accepted token and `root`, the token the target chose after it
+    (heads that do not read it ignore it) -> (depth, k) ids, and for `topk_logprobs` their log-probabilities."""
+
     num_heads: int
-    reads_root: bool  # the heads also read the root token (passed as `root`)
 
     def topk(self, hidden: Tensor, k: int, depth: int | None = None, root: int | None = None) -> Tensor: ...
-    # (dim,) -> (depth, k) ids
 
     def topk_logprobs(self, hidden: Tensor, k: int, depth: int | None = None,
                       root: int | None = None) -> tuple[Tensor, Tensor]: ...
@@ -134,10 +135,6 @@ class HeadsProposer:
     hidden: Tensor | None = None  # (dim,)
     heads: Heads
 
-    def root(self, state: DecodeState) -> dict[str, int]:
-        """The keyword that hands heads reading the root token its id (the target's choice after `hidden`)."""
-        return {"root": state.ids[-1]} if getattr(self.heads, "reads_root", False) else {}
-
     def start(self, state: DecodeState, out: ForwardOut) -> None:
         self.hidden = out.hidden[-1]
 
@@ -162,7 +159,7 @@ class MedusaProposer(HeadsProposer):
     def candidates(self, state: DecodeState) -> Tensor:
         """(depth, width) guesses: row d ranks the heads' guesses for the token d + 1 after the root."""
         assert self.hidden is not None
-        return self.heads.topk(self.hidden, self.width, self.depth, **self.root(state))
+        return self.heads.topk(self.hidden, self.width, self.depth, root=state.ids[-1])
 
     def propose(self, state: DecodeState) -> Proposal | None:
         top = self.candidates(state).cpu()
@@ -252,7 +249,7 @@ class DynamicMedusaProposer(HeadsProposer):
         depth, budget = min(self.depth, useful), min(self.nodes, self.room())
         if depth <= 0 or budget <= 0:
             return None
-        ids, logp = self.heads.topk_logprobs(self.hidden, self.width, depth, **self.root(state))  # (depth, width)
+        ids, logp = self.heads.topk_logprobs(self.hidden, self.width, depth, root=state.ids[-1])  # (depth, width)
         ids_l, logp_l = ids.tolist(), logp.tolist()
         # Best-first over paths of ranks: a path's score only falls as it grows or its last rank rises,
         # so popping in score order and then offering its first child and next sibling yields the
