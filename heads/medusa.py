@@ -11,7 +11,8 @@ x + SiLU(W x + U e(t + 1) + b), e being that token's row of the target's frozen 
 Medusa-1 heads must guess t + k + 2 without knowing which t + 1 the target picked, and hedge when
 several were likely; conditioning on it is the first step of Hydra's sequentially dependent heads
 (Ankner et al. 2024), at the price of one more dim x dim product per head. Off by default, as in
-Medusa-1; `U` starts at zero, so such heads start as plain ones.
+Medusa-1; `U` starts at zero, so such heads start as plain ones. `sequential` heads go the rest of the
+way: each head also continues the previous one along the tree path (heads/medusa_sequential.py).
 
 On a CPU a full-vocabulary projection costs as much as a good part of a target step, so a head may
 keep only the N most frequent tokens of the distillation data (`kept_ids`); its top-k ids are
@@ -56,6 +57,8 @@ class MedusaConfig:
     projection: str = "shared"  # "shared": the target's frozen output head; "own": one trainable copy per head
     head_vocab: int | None = None  # kept vocabulary size; None = the full vocabulary
     root_input: bool = False  # first blocks also read the tree's root token (see the module docstring)
+    sequential: bool = False  # head k > 0 reads head k - 1's features and the path's token (heads/medusa_sequential.py)
+    chain_head0: bool = True  # sequential: head 1 continues head 0's features (True) or starts from the state
 
     def __post_init__(self) -> None:
         if self.projection not in PROJECTIONS:
@@ -66,6 +69,8 @@ class MedusaConfig:
         if self.root_input and self.num_layers < 1:
             raise SpecdecError("Medusa root_input feeds the root token into each head's first block; "
                                "it needs num_layers >= 1")
+        if self.sequential and not self.root_input:
+            raise SpecdecError("sequential Medusa heads chain from the root token; set root_input=true as well")
 
 
 def output_weight(target: LoadedModel) -> Tensor:
@@ -142,10 +147,10 @@ class MedusaHeads(nn.Module):
         self.proj_panels: np.ndarray | None = None  # set by `use_cpu_kernels`
         self.block_panels: list[tuple[np.ndarray, np.ndarray]] | None = None  # per layer: (panels, biases (K, dim))
 
-    def use_cpu_kernels(self, weights: str = "fp32") -> None:
+    def use_cpu_kernels(self, weights: str = "fp32", block_weights: str = "fp32") -> None:
         """Run the heads at inference through specdec's few-row CPU kernels, as the target does: the
-        residual blocks in float32, and the projection, when it is shared, from a `weights` copy (fp32,
-        bf16 or int8; cpu_kernels.pack).
+        residual blocks from a `block_weights` copy, and the projection, when it is shared, from a
+        `weights` copy (fp32, bf16 or int8; cpu_kernels.pack).
 
         Why: torch runs single-threaded beside those kernels (see `LoadedModel.torch_threads`). Right
         after a target pass has pushed the heads out of cache, a step with torch's per-head block products
@@ -154,8 +159,9 @@ class MedusaHeads(nn.Module):
         gives; an int8 copy of the blocks would save ~0.1 ms more but changes some second choices. The
         projection's copy may be rounded: the heads only propose, the target verifies.
         """
-        if weights not in cpu_kernels.KINDS:
-            raise SpecdecError(f"strategy.heads.weights={weights!r} is not one of {', '.join(cpu_kernels.KINDS)}")
+        for key, kind in (("weights", weights), ("block_weights", block_weights)):
+            if kind not in cpu_kernels.KINDS:
+                raise SpecdecError(f"strategy.heads.{key}={kind!r} is not one of {', '.join(cpu_kernels.KINDS)}")
         if self.proj.device.type != "cpu" or not cpu_kernels.available():
             return
         if self.proj.ndim == 2:
@@ -167,7 +173,7 @@ class MedusaHeads(nn.Module):
             if layer == 0 and self.root_in is not None:  # [W | U] reads [x, e(root)] in one product
                 mats = [torch.cat([m, u.detach().float()], dim=1) for m, u in zip(mats, self.root_in)]
             # each head's panels in turn: head h owns panels h * P .. (h + 1) * P - 1
-            panels = np.concatenate([cpu_kernels.pack(m.numpy()) for m in mats])
+            panels = np.concatenate([cpu_kernels.pack(m.numpy(), kind=block_weights) for m in mats])
             layers.append((panels, torch.stack([lin.bias.detach().float() for lin in linears]).numpy()))
         self.block_panels = layers
 
@@ -203,9 +209,10 @@ class MedusaHeads(nn.Module):
             raise ValueError("these Medusa heads read the root token (root_input); pass root")
         return self.root_rows[root]
 
-    def features(self, hidden: Tensor, root: Tensor | None = None, depth: int | None = None) -> Tensor:
+    def features(self, hidden: Tensor, root: Tensor | None = None, depth: int | None = None,
+                 path: Tensor | None = None) -> Tensor:
         """(..., dim) states, (...,) root ids when the heads read them -> (..., d, dim): the first d heads'
-        residual stacks (all K by default)."""
+        residual stacks (all K by default). `path` is ignored: these heads guess independently."""
         d = self.num_heads if depth is None else depth
         extra = None
         if self.root_in is not None:
@@ -223,13 +230,23 @@ class MedusaHeads(nn.Module):
     def reads_root(self) -> bool:
         return self.root_in is not None
 
+    def teacher_features(self, hidden: Tensor, input_ids: Tensor) -> Tensor:
+        """Training: (B, T, dim) states of a known sequence (B, T) of ids (-1 for padding) -> (B, T, K, dim),
+        each position's tree rooted at the sequence's own next token."""
+        root = None
+        if self.reads_root:  # the root of position t's tree is token t + 1
+            root = torch.cat([input_ids[:, 1:], input_ids.new_zeros(input_ids.shape[0], 1)], 1).clamp_min(0)
+        return self.features(hidden, root)
+
     def head_logits(self, x: Tensor, k: int) -> Tensor:
         """(..., dim) features of head k -> (..., V') logits: one head at a time keeps training memory low."""
         w = self.proj[k] if self.proj.ndim == 3 else self.proj
         return x @ w.t()
 
-    def forward(self, hidden: Tensor, root: Tensor | None = None) -> Tensor:
-        x = self.features(hidden, root)  # (..., K, dim)
+    def forward(self, hidden: Tensor, root: Tensor | None = None, path: Tensor | None = None) -> Tensor:
+        """(..., dim) states -> (..., K, V') logits. `path` (..., K - 1): the tokens after the root, which
+        only sequential heads read (heads/medusa_sequential.py)."""
+        x = self.features(hidden, root, path=path)  # (..., K, dim)
         if self.proj.ndim == 3:
             return torch.einsum("...kd,kvd->...kv", x, self.proj)  # (..., K, V')
         return x @ self.proj.t()  # (..., K, V'): every head in one matmul
@@ -275,14 +292,24 @@ class MedusaHeads(nn.Module):
         return out
 
 
+def heads_for(cfg: MedusaConfig, base_weight: Tensor, kept_ids: Tensor | None = None) -> MedusaHeads:
+    """The heads class a config describes: plain (independent) heads, or sequential ones."""
+    if cfg.sequential:
+        from heads.medusa_sequential import SequentialMedusaHeads  # it subclasses MedusaHeads
+
+        return SequentialMedusaHeads(cfg, base_weight, kept_ids)
+    return MedusaHeads(cfg, base_weight, kept_ids)
+
+
 def new_config(target: LoadedModel, num_heads: int = 4, num_layers: int = 1, projection: str = "shared",
-               head_vocab: int | None = None, root_input: bool = False) -> MedusaConfig:
+               head_vocab: int | None = None, root_input: bool = False, sequential: bool = False,
+               chain_head0: bool = True) -> MedusaConfig:
     w = output_weight(target)
     V, dim = w.shape
     if head_vocab is not None and not 0 < head_vocab <= V:
         raise SpecdecError(f"Medusa head_vocab={head_vocab} must be in 1..{V} (the target's vocabulary) or null")
     return MedusaConfig(target.name, fingerprint(w), dim, V, num_heads, num_layers, projection,
-                        None if head_vocab in (None, V) else head_vocab, root_input)
+                        None if head_vocab in (None, V) else head_vocab, root_input, sequential, chain_head0)
 
 
 def check_match(cfg: MedusaConfig, target: LoadedModel, where: str) -> None:
@@ -294,9 +321,10 @@ def check_match(cfg: MedusaConfig, target: LoadedModel, where: str) -> None:
                            "they were trained for")
 
 
-def load_heads(target: LoadedModel, path: str | Path, weights: str = "fp32") -> MedusaHeads:
-    """Heads saved by `MedusaHeads.save`, checked against the target they will run on; `weights`: see
-    `MedusaHeads.use_cpu_kernels`."""
+def load_heads(target: LoadedModel, path: str | Path, weights: str = "fp32",
+               block_weights: str = "fp32") -> MedusaHeads:
+    """Heads saved by `MedusaHeads.save`, checked against the target they will run on; `weights` and
+    `block_weights`: see `MedusaHeads.use_cpu_kernels`."""
     from safetensors.torch import load_file
 
     folder = Path(path).expanduser()
@@ -316,24 +344,26 @@ def load_heads(target: LoadedModel, path: str | Path, weights: str = "fp32") -> 
                            "retrain the heads") from None
     check_match(cfg, target, str(folder))
     state = load_file(str(weights_file))
-    heads = MedusaHeads(cfg, output_weight(target), state.get("kept_ids") if cfg.head_vocab is not None else None)
+    heads = heads_for(cfg, output_weight(target), state.get("kept_ids") if cfg.head_vocab is not None else None)
     missing, unexpected = heads.load_state_dict(state, strict=False)
     if missing or unexpected:
         raise SpecdecError(f"{weights_file} does not fit its config (missing {missing[:3]}, unexpected "
                            f"{unexpected[:3]}); retrain the heads")
-    return _for_inference(heads, target, weights)
+    return _for_inference(heads, target, weights, block_weights)
 
 
-def _for_inference(heads: MedusaHeads, target: LoadedModel, weights: str = "fp32") -> MedusaHeads:
+def _for_inference(heads: MedusaHeads, target: LoadedModel, weights: str = "fp32",
+                   block_weights: str = "fp32", chain_head0: bool = True) -> MedusaHeads:
     heads.eval().requires_grad_(False)
     if target.matmul == "numba":
-        heads.use_cpu_kernels(weights)
+        heads.use_cpu_kernels(weights, block_weights)
     return heads
 
 
 def medusa_heads(target: LoadedModel, path: str | None = None, num_heads: int = 4, num_layers: int = 1,
                  projection: str = "shared", head_vocab: int | None = None, seed: int | None = None,
-                 weights: str = "fp32", root_input: bool = False) -> MedusaHeads:
+                 weights: str = "fp32", root_input: bool = False, sequential: bool = False,
+                 block_weights: str = "fp32", chain_head0: bool = True) -> MedusaHeads:
     """Strategy config entry (`strategy.heads`): trained heads from `path`, or untrained ones when path is null.
 
     Untrained heads start as copies of the target's own head (zero-initialised blocks); `seed` gives
@@ -341,14 +371,14 @@ def medusa_heads(target: LoadedModel, path: str | None = None, num_heads: int = 
     kernels' copy of the shared projection (`MedusaHeads.use_cpu_kernels`).
     """
     if path:
-        return load_heads(target, path, weights)
-    cfg = new_config(target, num_heads, num_layers, projection, head_vocab, root_input)
+        return load_heads(target, path, weights, block_weights)
+    cfg = new_config(target, num_heads, num_layers, projection, head_vocab, root_input, sequential, chain_head0)
     kept = torch.arange(cfg.head_vocab) if cfg.head_vocab is not None else None
-    heads = MedusaHeads(cfg, output_weight(target), kept)
+    heads = heads_for(cfg, output_weight(target), kept)
     if seed is not None:
         gen = torch.Generator().manual_seed(seed)
         with torch.no_grad():
             for name, p in heads.named_parameters():
-                if name.startswith(("blocks.", "root_in")):
+                if name.startswith(("blocks.", "root_in", "path_in")):
                     p.copy_(torch.randn(p.shape, generator=gen) / p.shape[-1] ** 0.5)
-    return _for_inference(heads, target, weights)
+    return _for_inference(heads, target, weights, block_weights)

@@ -22,7 +22,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from heads.head_loss import head_loss
-from heads.medusa import MedusaHeads, kept_vocab, new_config, output_weight
+from heads.medusa import MedusaHeads, heads_for, kept_vocab, new_config, output_weight
+from heads.medusa_sequential import SequentialMedusaHeads
 from specdec.errors import SpecdecError
 from specdec.models.loader import LoadedModel
 
@@ -56,12 +57,12 @@ class MedusaLoss(nn.Module):
         if kl_weight > 0 and heads.proj.ndim != 2:
             raise ValueError("head.kl_weight > 0 needs projection=shared (the target's own head gives the KL)")
         T = labels.shape[1]
-        root = None
-        if heads.reads_root:  # the root of position t's tree is token t + 1
-            if input_ids is None:
+        if input_ids is None:  # heads that read the root or the path take them from the sequence
+            if heads.reads_root:
                 raise ValueError("heads with root_input need input_ids")
-            root = torch.cat([input_ids[:, 1:], input_ids.new_zeros(input_ids.shape[0], 1)], 1).clamp_min(0)
-        x = heads.features(hidden.to(heads.proj.dtype), root)  # (B, T, K, dim)
+            x = heads.features(hidden.to(heads.proj.dtype))  # (B, T, K, dim)
+        else:
+            x = heads.teacher_features(hidden.to(heads.proj.dtype), input_ids)  # (B, T, K, dim)
         ce, top1, top5 = [], [], []
         for k in range(heads.num_heads):
             # head k at t guesses token t + k + 2, which is labels[t + k + 1]
@@ -113,7 +114,8 @@ class MedusaTrainable:
 
     def __init__(self, num_heads: int = 4, num_layers: int = 1, projection: str = "shared",
                  head_vocab: int | None = 8192, decay: float = 0.8, prompt_weight: float = 0.0,
-                 kl_weight: float = 0.0, root_input: bool = False) -> None:
+                 kl_weight: float = 0.0, root_input: bool = False, sequential: bool = False,
+                 chain_grad: bool = True, chain_head0: bool = True) -> None:
         if kl_weight < 0:
             raise SpecdecError(f"head.kl_weight must be >= 0, got {kl_weight}")
         if kl_weight > 0 and projection != "shared":
@@ -121,16 +123,21 @@ class MedusaTrainable:
                                "distribution); set head.kl_weight=0 for own projections")
         self.num_heads, self.num_layers, self.projection = num_heads, num_layers, projection
         self.head_vocab, self.decay, self.prompt_weight = head_vocab, decay, prompt_weight
-        self.kl_weight, self.root_input = kl_weight, root_input
+        self.kl_weight, self.root_input, self.sequential = kl_weight, root_input, sequential
+        self.chain_grad, self.chain_head0 = chain_grad, chain_head0
 
     def build(self, target: LoadedModel, data: Any = None) -> MedusaLoss:
-        cfg = new_config(target, self.num_heads, self.num_layers, self.projection, self.head_vocab, self.root_input)
+        cfg = new_config(target, self.num_heads, self.num_layers, self.projection, self.head_vocab, self.root_input,
+                         self.sequential, self.chain_head0)
         kept = None
         if cfg.head_vocab is not None:
             if data is None:
                 raise ValueError("a reduced head vocabulary is chosen from the training data; pass data")
             kept = kept_vocab(_tokens(data), cfg.head_vocab, cfg.vocab_size)
-        return MedusaLoss(MedusaHeads(cfg, output_weight(target), kept))
+        heads = heads_for(cfg, output_weight(target), kept)
+        if isinstance(heads, SequentialMedusaHeads):
+            heads.chain_grad = self.chain_grad
+        return MedusaLoss(heads)
 
     def loss(self, module: nn.Module, batch: dict[str, Tensor],
              target_hidden: Tensor | None) -> tuple[Tensor, dict[str, float]]:

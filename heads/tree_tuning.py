@@ -114,7 +114,8 @@ def calibrate(target: LoadedModel, heads: Any, prompts: list[list[int]], max_new
             if n <= 0:
                 continue
             ids = torch.tensor(seq)
-            top = _topk_ids(heads, torch.stack(hidden[:n]), width, ids[1:n + 1])  # (n, K, width)
+            path = ids[2:].unfold(0, n, 1)[:K - 1].t()  # (n, K - 1): the true tokens after each root
+            top = _topk_ids(heads, torch.stack(hidden[:n]), width, ids[1:n + 1], path)  # (n, K, width)
             truth = torch.stack([ids[k + 2: k + 2 + n] for k in range(K)], dim=1)  # (n, K)
             hit = top == truth[..., None]  # (n, K, width)
             rank = torch.where(hit.any(-1), hit.int().argmax(-1), torch.full_like(truth, width))
@@ -125,9 +126,12 @@ def calibrate(target: LoadedModel, heads: Any, prompts: list[list[int]], max_new
     return Calibration(torch.cat(rows), width, step_s / max(steps, 1), heads_s)
 
 
-def _topk_ids(heads: Any, hidden: Tensor, width: int, root: Tensor | None = None) -> Tensor:
-    """(n, dim) states and (n,) root tokens (the target's choice after each) -> (n, K, width) ids."""
-    logits = heads(hidden.float(), root)  # (n, K, V'); heads that do not read the root ignore it
+def _topk_ids(heads: Any, hidden: Tensor, width: int, root: Tensor | None = None,
+              path: Tensor | None = None) -> Tensor:
+    """(n, dim) states, (n,) root tokens (the target's choice after each) and (n, K - 1) the true tokens
+    after the root -> (n, K, width) ids. Heads that read the path (sequential) see the true one, so a
+    rank's hit rate is conditioned on the path above being right, which is when it counts."""
+    logits = heads(hidden.float(), root, path)  # (n, K, V'); heads ignore what they do not read
     idx = logits.topk(width, dim=-1).indices
     return heads.kept_ids[idx] if hasattr(heads, "kept_ids") else idx
 

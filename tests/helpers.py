@@ -145,3 +145,36 @@ def spy_compactions(strategy: SpeculativeStrategy) -> list[list[int]]:
 
     strategy.engine.compact = spy  # type: ignore[method-assign]
     return compactions
+
+
+def pair_batch(n_seq: int, length: int, tokens: int, seed: int) -> tuple[dict[str, Tensor], Tensor]:
+    """A training batch for Medusa heads: sequences of pairs (a, follow[a]) with a random, and hidden
+    states that carry nothing. Token t + 2 is fixed by token t + 1 when it is a pair's second token, so
+    only heads that read the root can guess head 0's tokens on new data, and only heads that read the
+    path's token t + 2 can guess head 1's (t + 3)."""
+    follow = torch.randperm(tokens, generator=torch.Generator().manual_seed(0)) + 10  # token a -> follow[a - 10]
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.empty(n_seq, length, dtype=torch.long)
+    for t in range(length):
+        fresh = torch.randint(10, 10 + tokens, (n_seq,), generator=gen)
+        ids[:, t] = fresh if t % 2 == 0 else follow[ids[:, t - 1] - 10]
+    labels = torch.full_like(ids, -100)
+    labels[:, :-1] = ids[:, 1:]
+    hidden = 0.1 * torch.randn(n_seq, length, 64, generator=gen)  # small: noise, not a signal to memorise
+    return {"input_ids": ids, "labels": labels, "attention_mask": torch.ones_like(ids)}, hidden
+
+
+def fit_on_pairs(trainable: Any, target: LoadedModel, steps: int = 150) -> tuple[Any, dict[str, float]]:
+    """Train `trainable`'s heads on `pair_batch` data; -> the module and its metrics on new pairs."""
+    torch.manual_seed(0)
+    batch, hidden = pair_batch(32, 32, 8, seed=1)
+    module = trainable.build(target)
+    opt = torch.optim.AdamW([p for p in module.parameters() if p.requires_grad], lr=1e-2)
+    for _ in range(steps):
+        loss, _ = trainable.loss(module, batch, hidden)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    with torch.no_grad():  # new sequences and states, the same rule
+        _, metrics = trainable.loss(module, *pair_batch(8, 32, 8, seed=2))
+    return module, metrics

@@ -7,7 +7,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers import random_ids
+from helpers import fit_on_pairs, random_ids
 
 from heads.medusa import load_heads, medusa_heads
 from heads.medusa_train import MedusaTrainable
@@ -66,35 +66,10 @@ def test_root_input_needs_a_block(tiny_target: LoadedModel) -> None:
         medusa_heads(tiny_target, num_heads=2, num_layers=0, root_input=True)
 
 
-def _permutation_batch(n_seq: int, length: int, tokens: int, seed: int) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
-    """Sequences where token t + 2 is a fixed function of token t + 1, which itself is random, and hidden
-    states that carry nothing: only heads that read the root can guess head 0's tokens on new data."""
-    follow = torch.randperm(tokens, generator=torch.Generator().manual_seed(0)) + 10  # token a -> follow[a - 10]
-    gen = torch.Generator().manual_seed(seed)
-    ids = torch.empty(n_seq, length, dtype=torch.long)
-    for t in range(length):
-        fresh = torch.randint(10, 10 + tokens, (n_seq,), generator=gen)
-        ids[:, t] = fresh if t % 2 == 0 else follow[ids[:, t - 1] - 10]
-    labels = torch.full_like(ids, -100)
-    labels[:, :-1] = ids[:, 1:]
-    hidden = 0.1 * torch.randn(n_seq, length, 64, generator=gen)  # small: noise, not a signal to memorise
-    return {"input_ids": ids, "labels": labels, "attention_mask": torch.ones_like(ids)}, hidden
-
-
 @pytest.mark.parametrize("root_input", [False, True])
 def test_training_learns_from_the_root(tiny_target: LoadedModel, root_input: bool) -> None:
-    torch.manual_seed(0)
-    batch, hidden = _permutation_batch(32, 32, 8, seed=1)
     trainable = MedusaTrainable(num_heads=2, num_layers=1, head_vocab=None, root_input=root_input)
-    module = trainable.build(tiny_target)
-    opt = torch.optim.AdamW([p for p in module.parameters() if p.requires_grad], lr=1e-2)
-    for _ in range(150):
-        loss, metrics = trainable.loss(module, batch, hidden)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-    with torch.no_grad():  # new sequences and states, the same rule
-        _, metrics = trainable.loss(module, *_permutation_batch(8, 32, 8, seed=2))
+    module, metrics = fit_on_pairs(trainable, tiny_target)
     # head 0 guesses token t + 2: fixed by the root t + 1 half of the time (odd t + 2), random otherwise
     if root_input:
         assert metrics["top1_0"] > 0.4

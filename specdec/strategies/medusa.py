@@ -21,7 +21,7 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 from torch import Tensor
@@ -76,6 +76,17 @@ class Heads(Protocol):
 
     def topk_logprobs(self, hidden: Tensor, k: int, depth: int | None = None,
                       root: int | None = None) -> tuple[Tensor, Tensor]: ...
+
+
+@runtime_checkable
+class PathHeads(Heads, Protocol):
+    """Heads whose guesses depend on the path above them (heads/medusa_sequential.py): `tree_start` gives
+    the root's node and its children's guesses, `tree_expand` a child's node and its own children's
+    guesses, each as (width,) ids and (width,) log-probabilities."""
+
+    def tree_start(self, hidden: Tensor, root: int, width: int) -> tuple[Any, Tensor, Tensor]: ...
+
+    def tree_expand(self, parent: Any, token: int, width: int) -> tuple[Any, Tensor, Tensor]: ...
 
 
 def tuned_tree_path(model_name: str) -> Path:
@@ -155,15 +166,34 @@ class MedusaProposer(HeadsProposer):
         self.depth = max(depth)  # heads the tree reads: deeper ones are not run
         self.up_to = [sum(d <= m for d in depth) for m in range(max(depth) + 1)]  # nodes of depth <= m
         self.room = room
+        self.keys = keys
+        self.inner = {k[:-1] for k in keys if len(k) > 1}  # paths with children in the tree
 
     def candidates(self, state: DecodeState) -> Tensor:
         """(depth, width) guesses: row d ranks the heads' guesses for the token d + 1 after the root."""
         assert self.hidden is not None
         return self.heads.topk(self.hidden, self.width, self.depth, root=state.ids[-1])
 
+    def path_tokens(self, heads: PathHeads, state: DecodeState) -> Tensor:
+        """(N,) node tokens from heads that read the path: each node's rank among the guesses made after
+        its own parent, so a second-ranked branch gets children guessed for it."""
+        assert self.hidden is not None
+        start, ids, _ = heads.tree_start(self.hidden, state.ids[-1], self.width)
+        kids: dict[tuple[int, ...], tuple[Any, list[int]]] = {(): (start, ids.tolist())}
+        tokens = []
+        for key in self.keys:  # parents first
+            node, ranked = kids[key[:-1]]
+            tokens.append(ranked[key[-1]])
+            if key in self.inner:
+                child, c_ids, _ = heads.tree_expand(node, tokens[-1], self.width)
+                kids[key] = (child, c_ids.tolist())
+        return torch.tensor(tokens)
+
     def propose(self, state: DecodeState) -> Proposal | None:
-        top = self.candidates(state).cpu()
-        tokens = top[self.head_of, self.rank_of]  # (N,)
+        if isinstance(self.heads, PathHeads):
+            tokens = self.path_tokens(self.heads, state)
+        else:
+            tokens = self.candidates(state).cpu()[self.head_of, self.rank_of]  # (N,)
         # Nodes are in (depth, rank) order with parents first, so any prefix is still a tree.
         # Past the token budget deeper nodes could never be kept: leave them out.
         useful = state.params.max_new_tokens - state.output_len - 1
@@ -217,7 +247,8 @@ class Medusa(SpeculativeStrategy):
         # the tree plus its root must fit the cache; the loop checks nothing else
         room = lambda: self.engine.max_len - self.engine.length - 1  # noqa: E731
         if isinstance(self.tree, DynamicTree):
-            return DynamicMedusaProposer(self.heads, self.tree, room, self.costs)
+            kind = PathMedusaProposer if isinstance(self.heads, PathHeads) else DynamicMedusaProposer
+            return kind(self.heads, self.tree, room, self.costs)
         return MedusaProposer(self.heads, self.tree, room)
 
     def accept(self, proposal: Proposal, logits: Tensor, state: DecodeState) -> Verdict:
@@ -243,10 +274,15 @@ class DynamicMedusaProposer(HeadsProposer):
         self.log_min = math.log(tree.min_prob) if tree.min_prob > 0 else -math.inf
         self.room = room
 
+    def limits(self, state: DecodeState) -> tuple[int, int]:
+        """(depth, nodes) this step may use: deeper nodes than the token budget could never be kept,
+        and the tree plus its root must fit the cache."""
+        useful = state.params.max_new_tokens - state.output_len - 1
+        return min(self.depth, useful), min(self.nodes, self.room())
+
     def propose(self, state: DecodeState) -> Proposal | None:
         assert self.hidden is not None
-        useful = state.params.max_new_tokens - state.output_len - 1  # deeper nodes could never be kept
-        depth, budget = min(self.depth, useful), min(self.nodes, self.room())
+        depth, budget = self.limits(state)
         if depth <= 0 or budget <= 0:
             return None
         ids, logp = self.heads.topk_logprobs(self.hidden, self.width, depth, root=state.ids[-1])  # (depth, width)
@@ -272,6 +308,9 @@ class DynamicMedusaProposer(HeadsProposer):
                 heapq.heappush(heap, (-(prefix + logp_l[len(path) - 1][path[-1] + 1]), path[:-1] + (path[-1] + 1,)))
             if len(path) < depth:
                 heapq.heappush(heap, (neg - logp_l[len(path)][0], path + (0,)))
+        return self._proposal(tokens, parents, scores)
+
+    def _proposal(self, tokens: list[int], parents: list[int], scores: list[float]) -> Proposal | None:
         if self.costs is not None:  # the prefix with the most expected tokens (root's included) per pass time
             expected = 1.0 + torch.tensor(scores).exp().cumsum(0)  # (n,) for 1..n nodes
             rate = expected / torch.tensor(self.costs[2:len(scores) + 2])
@@ -281,4 +320,54 @@ class DynamicMedusaProposer(HeadsProposer):
         if not tokens:
             return None
         return Proposal(torch.tensor(tokens), parents)
+
+
+class PathMedusaProposer(DynamicMedusaProposer):
+    """The dynamic tree for heads that read the path above a node (`PathHeads`): a node's children are
+    ranked by a head call made with that node's own token, so the score of a path is the product of
+    probabilities each conditioned on the path so far, not an independence guess.
+
+    Best-first as in `DynamicMedusaProposer`, but a node's children are only computed when they could
+    still make the tree: a popped node offers a "children" entry scored with its own score (no child can
+    beat its parent), and only popping that entry calls the heads. So a step makes at most `nodes`
+    head calls, and fewer when siblings win. Exact: the same `nodes` best paths as computing every call.
+    """
+
+    heads: PathHeads
+
+    def propose(self, state: DecodeState) -> Proposal | None:
+        assert self.hidden is not None
+        depth, budget = self.limits(state)
+        if depth <= 0 or budget <= 0:
+            return None
+        start, ids, logp = self.heads.tree_start(self.hidden, state.ids[-1], self.width)
+        # children of each expanded path: (its node for the heads, child ids, child log-probs)
+        kids: dict[tuple[int, ...], tuple[Any, list[int], list[float]]] = {(): (start, ids.tolist(), logp.tolist())}
+        NODE, CHILDREN = 0, 1  # at equal scores a node goes before a promise of its children
+        heap: list[tuple[float, int, tuple[int, ...]]] = [(-kids[()][2][0], NODE, (0,))]
+        index: dict[tuple[int, ...], int] = {(): 0}
+        tokens: list[int] = []
+        parents: list[int] = []
+        scores: list[float] = []
+        while heap and len(tokens) < budget:
+            neg, kind, path = heapq.heappop(heap)
+            if -neg < self.log_min:
+                break
+            if kind == CHILDREN:  # the best remaining bound: now the heads must say what follows `path`
+                node, ids_l, _ = kids[path[:-1]]
+                child, c_ids, c_logp = self.heads.tree_expand(node, ids_l[path[-1]], self.width)
+                kids[path] = (child, c_ids.tolist(), c_logp.tolist())
+                heapq.heappush(heap, (neg - kids[path][2][0], NODE, path + (0,)))
+                continue
+            _, ids_l, logp_l = kids[path[:-1]]
+            scores.append(-neg)
+            index[path] = len(tokens) + 1
+            tokens.append(ids_l[path[-1]])
+            parents.append(index[path[:-1]])
+            if path[-1] + 1 < self.width:  # next sibling
+                prefix = -neg - logp_l[path[-1]]
+                heapq.heappush(heap, (-(prefix + logp_l[path[-1] + 1]), NODE, path[:-1] + (path[-1] + 1,)))
+            if len(path) < depth:
+                heapq.heappush(heap, (neg, CHILDREN, path))
+        return self._proposal(tokens, parents, scores)
 
