@@ -10,7 +10,9 @@ typical acceptance, which is faster but NOT distribution-preserving; `acceptance
 exact multi-candidate rule of `specdec.verify` instead.
 
 The heads come built from the config (`heads._target_` pointing at a loader in `heads/`), called
-with the target; this module only needs their `num_heads`, `topk` and `topk_logprobs`.
+with the target; this module only needs their `num_heads`, `topk` and `topk_logprobs`. Heads whose
+guesses depend on the path above a node (`PathHeads`, heads/medusa_sequential.py) are instead asked
+once per tree node, with that node's token (`PathMedusaProposer`, `MedusaProposer.path_tokens`).
 """
 
 from __future__ import annotations
