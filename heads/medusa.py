@@ -58,7 +58,7 @@ class MedusaConfig:
     head_vocab: int | None = None  # kept vocabulary size; None = the full vocabulary
     root_input: bool = False  # first blocks also read the tree's root token (see the module docstring)
     sequential: bool = False  # head k > 0 reads head k - 1's features and the path's token (heads/medusa_sequential.py)
-    chain_head0: bool = True  # sequential: head 1 continues head 0's features (True) or starts from the state
+    chain_head0: bool = False  # sequential: head 1 starts from the state (False) or continues head 0's features
 
     def __post_init__(self) -> None:
         if self.projection not in PROJECTIONS:
@@ -166,6 +166,10 @@ class MedusaHeads(nn.Module):
             return
         if self.proj.ndim == 2:
             self.proj_panels = cpu_kernels.pack(self.proj.contiguous().numpy(), kind=weights)
+        self._pack_blocks(block_weights)
+
+    def _pack_blocks(self, block_weights: str) -> None:
+        """Every head's blocks, layer by layer, so that all heads' first blocks are one product."""
         layers = []
         for layer in range(self.cfg.num_layers):
             linears = [blocks[layer].linear for blocks in self.blocks]
@@ -303,7 +307,7 @@ def heads_for(cfg: MedusaConfig, base_weight: Tensor, kept_ids: Tensor | None = 
 
 def new_config(target: LoadedModel, num_heads: int = 4, num_layers: int = 1, projection: str = "shared",
                head_vocab: int | None = None, root_input: bool = False, sequential: bool = False,
-               chain_head0: bool = True) -> MedusaConfig:
+               chain_head0: bool = False) -> MedusaConfig:
     w = output_weight(target)
     V, dim = w.shape
     if head_vocab is not None and not 0 < head_vocab <= V:
@@ -353,7 +357,7 @@ def load_heads(target: LoadedModel, path: str | Path, weights: str = "fp32",
 
 
 def _for_inference(heads: MedusaHeads, target: LoadedModel, weights: str = "fp32",
-                   block_weights: str = "fp32", chain_head0: bool = True) -> MedusaHeads:
+                   block_weights: str = "fp32") -> MedusaHeads:
     heads.eval().requires_grad_(False)
     if target.matmul == "numba":
         heads.use_cpu_kernels(weights, block_weights)
@@ -363,12 +367,13 @@ def _for_inference(heads: MedusaHeads, target: LoadedModel, weights: str = "fp32
 def medusa_heads(target: LoadedModel, path: str | None = None, num_heads: int = 4, num_layers: int = 1,
                  projection: str = "shared", head_vocab: int | None = None, seed: int | None = None,
                  weights: str = "fp32", root_input: bool = False, sequential: bool = False,
-                 block_weights: str = "fp32", chain_head0: bool = True) -> MedusaHeads:
+                 block_weights: str = "fp32", chain_head0: bool = False) -> MedusaHeads:
     """Strategy config entry (`strategy.heads`): trained heads from `path`, or untrained ones when path is null.
 
     Untrained heads start as copies of the target's own head (zero-initialised blocks); `seed` gives
-    them random blocks instead, which tests use to get wrong guesses on purpose. `weights`: the CPU
-    kernels' copy of the shared projection (`MedusaHeads.use_cpu_kernels`).
+    them random blocks instead, which tests use to get wrong guesses on purpose. `weights` and
+    `block_weights`: the CPU kernels' copies of the shared projection and of the blocks
+    (`MedusaHeads.use_cpu_kernels`). `root_input`, `sequential`, `chain_head0`: `MedusaConfig`.
     """
     if path:
         return load_heads(target, path, weights, block_weights)

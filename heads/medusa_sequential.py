@@ -53,7 +53,7 @@ class SequentialMedusaHeads(MedusaHeads):
         dim = cfg.hidden_size
         # (K - 1, dim, dim): P_k of heads 1..K-1; zero at first, so training starts from chained plain heads
         self.path_in = nn.Parameter(torch.zeros(max(cfg.num_heads - 1, 0), dim, dim))
-        self.head_panels: list[list[tuple[np.ndarray, np.ndarray]]] | None = None  # per head, per layer
+        self.head_panels: list[list[tuple[np.ndarray, np.ndarray]]] | None = None  # per head, per layer: kernels
         # Training only: False stops head k's loss from reaching the heads before it, so that head 0 (whose
         # guess every accepted path starts with) learns for itself alone. Not saved: inference is the same.
         self.chain_grad = True
@@ -107,11 +107,8 @@ class SequentialMedusaHeads(MedusaHeads):
 
     # -- inference, one node at a time ---------------------------------------------------------------
 
-    def use_cpu_kernels(self, weights: str = "fp32", block_weights: str = "fp32") -> None:
-        super().use_cpu_kernels(weights, block_weights)  # checks the kinds, packs the shared projection
-        if self.block_panels is None:  # no kernels here
-            return
-        self.block_panels = None  # the plain heads' packing batches heads; these run one at a time
+    def _pack_blocks(self, block_weights: str) -> None:
+        """Per head, not batched across heads: these heads run one node, so one head, at a time."""
         packed = []
         for k, blocks in enumerate(self.blocks):
             layers = []

@@ -115,7 +115,7 @@ class MedusaTrainable:
     def __init__(self, num_heads: int = 4, num_layers: int = 1, projection: str = "shared",
                  head_vocab: int | None = 8192, decay: float = 0.8, prompt_weight: float = 0.0,
                  kl_weight: float = 0.0, root_input: bool = False, sequential: bool = False,
-                 chain_grad: bool = True, chain_head0: bool = True) -> None:
+                 chain_grad: bool = True, chain_head0: bool = False) -> None:
         if kl_weight < 0:
             raise SpecdecError(f"head.kl_weight must be >= 0, got {kl_weight}")
         if kl_weight > 0 and projection != "shared":

@@ -128,9 +128,15 @@ def test_path_tree_is_the_best_paths(tiny_target: LoadedModel) -> None:
     assert calls <= nodes - 1  # only the expansions the search needed
 
 
+@pytest.mark.parametrize("kernels", [False, True])
 @pytest.mark.parametrize("tree", ["dynamic", "chain", [(0,), (1,), (0, 0), (1, 0), (0, 0, 0), (0, 1)]])
-def test_sequential_medusa_matches_greedy(tiny_target: LoadedModel, tree: object) -> None:
+def test_sequential_medusa_matches_greedy(tiny_target: LoadedModel, tree: object, kernels: bool) -> None:
     heads = _heads(tiny_target, seed=6, num_heads=4, num_layers=1)
+    if kernels:  # the heads as the real model runs them: int8 copies on the CPU kernels
+        if not cpu_kernels.available():
+            pytest.skip("CPU kernels unavailable")
+        heads.use_cpu_kernels("int8", "int8")
+        assert heads.head_panels is not None
     want = {}
     for seed in (71, 72):
         prompt = random_ids(12, VOCAB, seed=seed)
