@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
 from helpers import assert_cache_matches_fresh, assert_kv_matches_fresh, chain_forward, random_ids
@@ -11,6 +13,7 @@ from hypothesis import strategies as st
 from specdec.engine.engine import StaticEngine
 from specdec.engine.kv_cache import KVCache
 from specdec.errors import SpecdecError
+from specdec.models import cpu_kernels
 from specdec.models.loader import LoadedModel
 from specdec.trees import tree_depth, tree_mask
 
@@ -181,3 +184,51 @@ def test_cache_operations_equal_recomputation(tiny_target: LoadedModel, prompt: 
         engine.forward(torch.tensor([root]))
         seq = [root]
     assert_cache_matches_fresh(engine, seq)
+
+
+def _assert_panels_hold(cache: KVCache) -> None:
+    """key_panels and value_panels say exactly what k and v say, for every filled slot of every row."""
+    assert cache.key_panels is not None and cache.value_panels is not None
+    nb, D = cache.key_panels.shape[-1], cache.k.shape[-1]
+    for b, n in enumerate(cache.lengths):
+        slots = torch.arange(n)
+        keys = cache.key_panels[:, b][:, :, slots // nb, :, slots % nb]  # (n, L, H, D)
+        values = cache.value_panels[:, b].movedim(-2, -3).flatten(-2)[..., :n, :D]  # (L, H, n, D)
+        assert torch.equal(keys.movedim(0, -2), cache.k[:, b, :, :n])
+        assert torch.equal(values, cache.v[:, b, :, :n])
+
+
+@pytest.mark.parametrize("panel", [4, 32])  # narrower and wider than head_dim
+def test_panels_follow_writes_and_compaction(panel: int) -> None:
+    cache = KVCache(n_layers=2, batch=2, n_kv_heads=2, max_len=20, head_dim=8, dtype=torch.float32, device="cpu")
+    for layer in range(2):
+        cache.write(layer, torch.randn(2, 2, 5, 8), torch.randn(2, 2, 5, 8))
+    cache.advance(5)
+    cache.keep_panels(panel)  # filled from what is cached
+    _assert_panels_hold(cache)
+    cache.rollback([3, 5])  # ragged rows: each row writes after its own length
+    for layer in range(2):
+        cache.write(layer, torch.randn(2, 2, 6, 8), torch.randn(2, 2, 6, 8))
+    cache.advance(6)
+    _assert_panels_hold(cache)
+    cache.compact(4, [5, 7, 8], b=1)
+    cache.compact(2, [2, 4, 8], b=0)
+    assert cache.lengths == [5, 7]
+    _assert_panels_hold(cache)
+
+
+@pytest.mark.skipif(not cpu_kernels.available(), reason="needs numba")
+def test_fused_kernels_keep_the_panels(load_tiny: Callable[..., LoadedModel]) -> None:
+    """The CPU kernels' attention writes new keys and values into the panels it reads as well as into k
+    and v, through a chain, a tree and its compaction; passes over more than MAX_ROWS tokens (torch's
+    path) keep them through `write`."""
+    engine = StaticEngine(load_tiny("llama", matmul="numba").model, 128)
+    engine.prefill(random_ids(30, VOCAB, seed=4))  # the torch path, before there are panels
+    engine.forward(torch.tensor(random_ids(3, VOCAB, seed=5)))  # the fused kernels: panels made and filled
+    tree = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 0, 1, 1]], dtype=torch.bool)
+    base = engine.length
+    engine.forward(torch.tensor(random_ids(4, VOCAB, seed=6)), depth=torch.tensor([0, 1, 1, 2]), mask=tree)
+    engine.compact(base, [base, base + 2, base + 3])
+    _assert_panels_hold(engine.cache)
+    engine.forward(torch.tensor(random_ids(cpu_kernels.MAX_ROWS + 5, VOCAB, seed=7)))  # torch's path again
+    _assert_panels_hold(engine.cache)

@@ -25,6 +25,41 @@ class KVCache:
         self.max_len = max_len
         self.lengths = [0] * batch
         self._pending = 0  # tokens being written by the forward in flight
+        self.key_panels: Tensor | None = None  # see keep_panels
+        self.value_panels: Tensor | None = None
+
+    def keep_panels(self, panel: int) -> tuple[Tensor, Tensor]:
+        """Also keep K and V as the weights of small matrix products, for the CPU kernels' attention
+        (cpu_layer._attend), and keep them current from here on (`write`, `compact`, and those kernels):
+        key_panels (L, B, H_kv, P, D, panel), slot j's key at [..., j // panel, :, j % panel], so a query
+        block's scores are one product with keys in runs of `panel` slots; value_panels
+        (L, B, H_kv, Pd, T_max, panel), slot j's value dims d at [..., d // panel, j, d % panel].
+        Both are filled now from what is cached."""
+        L, B, H, S, D = self.k.shape
+        P, Pd = -(-S // panel), -(-D // panel)
+        # normal tensors like k and v, even when first asked for under inference mode, so that whoever
+        # updates k and v in place (compact, outside inference mode in tests) may update these too
+        with torch.inference_mode(False):
+            keys = torch.zeros(L, B, H, P * panel, D, dtype=self.k.dtype, device=self.k.device)
+            keys[:, :, :, :S] = self.k
+            self.key_panels = keys.view(L, B, H, P, panel, D).transpose(-1, -2).contiguous()
+            self.value_panels = torch.zeros(L, B, H, Pd, S, panel, dtype=self.v.dtype, device=self.v.device)
+            self._put_value_panels(slice(None), slice(None), slice(None), self.v)
+        return self.key_panels, self.value_panels
+
+    def _put_panels(self, layer: int | slice, b: int | slice, slots: slice, k: Tensor, v: Tensor) -> None:
+        # k, v (..., H_kv, T, D) for the slots `slots` of sequence(s) b
+        kp = self.key_panels[layer, b]  # type: ignore[index]
+        nb = kp.shape[-1]
+        idx = torch.arange(slots.start, slots.stop, device=k.device)
+        kp[..., idx // nb, :, idx % nb] = k.movedim(-2, 0)  # advanced indices split by a slice go first
+        self._put_value_panels(layer, b, slots, v)
+
+    def _put_value_panels(self, layer: int | slice, b: int | slice, slots: slice, v: Tensor) -> None:
+        vp = self.value_panels[layer, b]  # type: ignore[index]  # (..., H_kv, Pd, T_max, nb)
+        pd, nb = vp.shape[-3], vp.shape[-1]
+        padded = torch.nn.functional.pad(v, (0, pd * nb - v.shape[-1]))  # (..., H_kv, T, Pd nb)
+        vp[..., slots, :] = padded.unflatten(-1, (pd, nb)).movedim(-2, -3)
 
     @property
     def batch(self) -> int:
@@ -44,10 +79,14 @@ class KVCache:
             n = self.lengths[0]
             self.k[layer, :, :, n:n + T] = k
             self.v[layer, :, :, n:n + T] = v
+            if self.key_panels is not None:
+                self._put_panels(layer, slice(None), slice(n, n + T), k, v)
         else:
             for b, n in enumerate(self.lengths):
                 self.k[layer, b, :, n:n + T] = k[b]
                 self.v[layer, b, :, n:n + T] = v[b]
+                if self.key_panels is not None:
+                    self._put_panels(layer, b, slice(n, n + T), k[b], v[b])
         end = max(self.lengths) + T
         return self.k[layer, :, :, :end], self.v[layer, :, :, :end]
 
@@ -76,6 +115,9 @@ class KVCache:
             # index_select copies first, so overlapping source and destination slots are safe
             self.k[:, b, :, start:end] = self.k[:, b].index_select(2, idx)
             self.v[:, b, :, start:end] = self.v[:, b].index_select(2, idx)
+            if self.key_panels is not None:
+                self._put_panels(slice(None), b, slice(start, end), self.k[:, b, :, start:end],
+                                 self.v[:, b, :, start:end])
         self.lengths[b] = end
 
     def attention_mask(self, new_mask: Tensor | None, n_new: int) -> Tensor | None:

@@ -9,6 +9,10 @@ compiled function per layer (`layer_forward`); calling it once per layer from Py
 
 Batch of one, up to `cpu_kernels.MAX_ROWS` new tokens (decode steps, drafts, token trees); prefill
 chunks and batches take the torch path (`Block.forward`), whose large GEMMs BLAS does best.
+
+Attention reads K and V as panels the tile kernels multiply by (`KVCache.keep_panels`, kept beside the
+plain K/V that the torch path reads): before, a pass over 5 tokens after 1024 cached ones cost 1.65x a
+one-token pass, most of it attention; now 1.2-1.3x (`python experiments/pass_times.py`, experiments/README.md).
 """
 
 from __future__ import annotations
@@ -24,7 +28,8 @@ from specdec.models.llama import Block, Llama
 if cpu_kernels.available():
     from numba import njit, prange
 
-    from specdec.models.cpu_kernels import fast_exp, mm_into
+    from specdec.models.cpu_kernels import _call_tile, fast_exp, mm_into
+
 
     @njit(fastmath=True, error_model="numpy", cache=True)
     def _rms_norm(x, weight, eps, out):  # pragma: no cover - compiled
@@ -36,107 +41,112 @@ if cpu_kernels.available():
             for i in range(x.shape[1]):
                 out[t, i] = weight[i] * (x[t, i] * scale)
 
-    # Every fast-math flag but reassociation: a sum over cache slots must add them in slot order
+    # Every fast-math flag but reassociation: a sum over cache slots must add them in a fixed order
     # whatever their number, or a token's output would depend on how many tokens share its pass.
     _IN_ORDER = {"nnan", "ninf", "nsz", "arcp", "contract", "afn"}
     _MASKED = np.float32(-1e30)  # a finite "minus infinity": fast-math code may assume no infinities
 
     @njit(fastmath=_IN_ORDER, cache=True)
-    def _sum_in_order(x, n):  # pragma: no cover - compiled
-        total = np.float32(0.0)
+    def _row_sums(x, n, totals):  # pragma: no cover - compiled
+        # totals[r] = x[r, 0] + x[r, 1] + ... + x[r, n - 1], added in slot order: zeros anywhere (slots a
+        # token may not see, which sit between the visible ones in a tree) leave it bitwise unchanged.
+        # The rows' sums run side by side, so the adds of one do not wait on another's.
+        for r in range(totals.shape[0]):
+            totals[r] = np.float32(0.0)
         for j in range(n):
-            total += x[j]
-        return total
-
-    @njit(fastmath=True, cache=True)
-    def _scores(q, keys, n, out):  # pragma: no cover - compiled
-        # out[j] = q . keys[j] for j < n, four slots per pass so each load of q serves four products.
-        # Every slot goes through the same four-wide code (the last block repeats slot n - 1), so a
-        # slot's score does not depend on n.
-        last = n - 1
-        for j in range(0, n, 4):
-            j1, j2, j3 = min(j + 1, last), min(j + 2, last), min(j + 3, last)
-            a0 = np.float32(0.0); a1 = np.float32(0.0); a2 = np.float32(0.0); a3 = np.float32(0.0)  # noqa: E702
-            for d in range(q.shape[0]):
-                v = q[d]
-                a0 += v * keys[j, d]; a1 += v * keys[j1, d]; a2 += v * keys[j2, d]; a3 += v * keys[j3, d]  # noqa: E702
-            out[j] = a0
-            if j + 1 < n:
-                out[j1] = a1
-            if j + 2 < n:
-                out[j2] = a2
-            if j + 3 < n:
-                out[j3] = a3
-
-    @njit(fastmath=_IN_ORDER, cache=True)
-    def _weigh_values(p, values, n, acc):  # pragma: no cover - compiled
-        # acc (D) += sum_j p[j] values[j] over j < n, one fused multiply-add per slot in slot order
-        # (no reassociation), four slots per load and store of acc: storing acc after every slot
-        # made this loop store-bound.
-        j = 0
-        while j + 4 <= n:
-            p0, p1, p2, p3 = p[j], p[j + 1], p[j + 2], p[j + 3]
-            for d in range(acc.shape[0]):
-                a = acc[d] + p0 * values[j, d]
-                a = a + p1 * values[j + 1, d]
-                a = a + p2 * values[j + 2, d]
-                acc[d] = a + p3 * values[j + 3, d]
-            j += 4
-        while j < n:
-            p0 = p[j]
-            for d in range(acc.shape[0]):
-                acc[d] = acc[d] + p0 * values[j, d]
-            j += 1
+            for r in range(totals.shape[0]):
+                totals[r] += x[r, j]
 
     @njit(parallel=True, fastmath=True, error_model="numpy", cache=True)
-    def _attend(qkv, rope, keys, values, start, mask, use_mask, n_heads, n_kv, head_dim,  # pragma: no cover
-                out, probs):
-        # qkv (T', (H + 2 Hkv) D) rows of new tokens; rope (T, D/2, 2) cos/sin; keys, values (Hkv, S_max, D);
-        # probs (T H, >= S) scratch. Rotates q and k (adjacent pairs: llama.py permutes wq/wk at load),
-        # writes k, v at start..start+T, then out[t, h*D:(h+1)*D] = softmax(q k^T / sqrt(D)) v over
-        # the slots mask[t] allows. Masked slots get probability exactly 0, so they add nothing to the
-        # in-order sums below: a token's output is bitwise the same in a chain, a tree or alone.
+    def _attend(qkv, rope, keys, values, key_panels, value_panels, start, mask, use_mask,  # pragma: no cover
+                n_heads, n_kv, head_dim, out, tiles):
+        # qkv (T, (H + 2 Hkv) D) rows of new tokens; rope (T, D/2, 2) cos/sin; keys, values (Hkv, S_max, D)
+        # and the same as panels (KVCache.keep_panels): key_panels (Hkv, P, D, NB), value_panels
+        # (Hkv, Pd, S_max, NB). Rotates q and k (adjacent pairs: llama.py permutes wq/wk at load), writes
+        # k, v at slots start..start+T, then out[t, h*D:(h+1)*D] = softmax(q k^T / sqrt(D)) v over the
+        # slots mask[t] allows.
+        #
+        # Why panels: the R queries sharing a K/V head (its group of heads, times the T tokens) then get
+        # their scores as one product queries (R, D) @ keys^T and their outputs as one product
+        # probabilities (R, S) @ values, both by the fp32 tile kernels (`tiles`), which read each cached
+        # key and value once for up to 8 queries and keep 16 sums going at a time. The loops these
+        # replaced (a dot product per query and slot, then a weighted sum per query) made a 5-token
+        # tree's attention cost 5x a one-token pass's at 400 cached slots.
+        # Exactness: each score is one in-order chain over d, each output one in-order chain over the
+        # slots, whatever shares the call (tile kernels); masked slots get probability exactly 0; the
+        # softmax total is summed in slot order too. So a token's output is bitwise the same in a chain, a
+        # tree or alone.
         T = rope.shape[0]
         half = head_dim // 2
         group = n_heads // n_kv
+        NB = key_panels.shape[3]
         for t in range(T):
+            slot = start + t
             for g in range(n_kv):
                 base_k = (n_heads + g) * head_dim
                 base_v = (n_heads + n_kv + g) * head_dim
                 for i in range(half):
                     c, s = rope[t, i, 0], rope[t, i, 1]
                     a, b = qkv[t, base_k + 2 * i], qkv[t, base_k + 2 * i + 1]
-                    keys[g, start + t, 2 * i] = a * c - b * s
-                    keys[g, start + t, 2 * i + 1] = a * s + b * c
+                    k0, k1 = a * c - b * s, a * s + b * c
+                    keys[g, slot, 2 * i], keys[g, slot, 2 * i + 1] = k0, k1
+                    key_panels[g, slot // NB, 2 * i, slot % NB] = k0
+                    key_panels[g, slot // NB, 2 * i + 1, slot % NB] = k1
                 for d in range(head_dim):
-                    values[g, start + t, d] = qkv[t, base_v + d]
+                    v = qkv[t, base_v + d]
+                    values[g, slot, d] = v
+                    value_panels[g, d // NB, slot, d % NB] = v
         S = start + T
+        P = (S + NB - 1) // NB  # key panels holding slots 0..S-1; the last one's tail is never read
+        Pd = value_panels.shape[1]
+        R = T * group  # queries per K/V head: query r is token r // group, head g * group + r % group
         scale = np.float32(1.0 / np.sqrt(head_dim))
-        for job in prange(T * n_heads):
-            t = job // n_heads
-            h = job % n_heads
-            g = h // group
-            q = np.empty(head_dim, dtype=np.float32)
-            for i in range(half):
-                c, s = rope[t, i, 0], rope[t, i, 1]
-                a, b = qkv[t, h * head_dim + 2 * i], qkv[t, h * head_dim + 2 * i + 1]
-                q[2 * i] = (a * c - b * s) * scale
-                q[2 * i + 1] = (a * s + b * c) * scale
-            p = probs[job]
-            _scores(q, keys[g], S, p)
-            top = _MASKED
-            for j in range(S):
-                if use_mask and not mask[t, j]:
-                    p[j] = _MASKED
-                top = max(top, p[j])
-            for j in range(S):  # vectorised: fast_exp is arithmetic; below e^-80 of the top is 0 in fp32 sums
-                z = p[j] - top
-                p[j] = fast_exp(z) if z > np.float32(-80.0) else np.float32(0.0)
-            total = _sum_in_order(p, S)
-            acc_v = np.zeros(head_dim, dtype=np.float32)
-            _weigh_values(p, values[g], S, acc_v)
-            for d in range(head_dim):
-                out[t, h * head_dim + d] = acc_v[d] / total
+        queries = np.empty((n_kv, R, head_dim), dtype=np.float32)
+        for t in range(T):
+            for h in range(n_heads):
+                g, r = h // group, t * group + h % group
+                for i in range(half):
+                    c, s = rope[t, i, 0], rope[t, i, 1]
+                    a, b = qkv[t, h * head_dim + 2 * i], qkv[t, h * head_dim + 2 * i + 1]
+                    queries[g, r, 2 * i] = (a * c - b * s) * scale
+                    queries[g, r, 2 * i + 1] = (a * s + b * c) * scale
+        scores = np.empty((n_kv, R, P * NB), dtype=np.float32)  # then the probabilities, unnormalised
+        sums = np.empty((n_kv, R, Pd * NB), dtype=np.float32)
+        rows = tiles.shape[0]
+        f4 = np.int64(4)
+        qbase, sbase, ubase = np.int64(queries.ctypes.data), np.int64(scores.ctypes.data), np.int64(sums.ctypes.data)
+        kbase, ks = np.int64(key_panels.ctypes.data), np.int64(key_panels.strides[0])
+        vbase = np.int64(value_panels.ctypes.data)
+        vs0, vs1 = np.int64(value_panels.strides[0]), np.int64(value_panels.strides[1])
+        ld_s, ld_u = np.int64(P * NB), np.int64(Pd * NB)
+        blocks = (R + rows - 1) // rows
+        for job in prange(n_kv * blocks):
+            g, r0 = job // blocks, (job % blocks) * rows
+            m = min(rows, R - r0)
+            srow = sbase + f4 * (g * R + r0) * ld_s
+            _call_tile(tiles[m - 1], qbase + f4 * (g * R + r0) * head_dim, np.int64(head_dim), kbase + g * ks,
+                       srow, ld_s, np.int64(head_dim), np.int64(0), np.int64(P))
+            totals = np.empty(m, dtype=np.float32)
+            for r in range(r0, r0 + m):
+                t = r // group
+                p = scores[g, r]
+                if use_mask:
+                    for j in range(S):
+                        p[j] = p[j] if mask[t, j] else _MASKED
+                top = _MASKED
+                for j in range(S):
+                    top = max(top, p[j])
+                for j in range(S):  # vectorised: fast_exp is arithmetic; below e^-80 of the top is 0 in fp32 sums
+                    z = p[j] - top
+                    p[j] = fast_exp(z) if z > np.float32(-80.0) else np.float32(0.0)
+            _row_sums(scores[g, r0:r0 + m], S, totals)
+            for pd in range(Pd):
+                _call_tile(tiles[m - 1], srow, ld_s, vbase + g * vs0 + pd * vs1,
+                           ubase + f4 * ((g * R + r0) * ld_u + pd * NB), ld_u, np.int64(S), np.int64(0), np.int64(1))
+            for r in range(r0, r0 + m):
+                t, h = r // group, g * group + r % group
+                for d in range(head_dim):
+                    out[t, h * head_dim + d] = sums[g, r, d] / totals[r - r0]
 
     @njit(fastmath=True, error_model="numpy", cache=True)
     def _silu_mul(gate_up, hidden, out):  # pragma: no cover - compiled
@@ -146,11 +156,12 @@ if cpu_kernels.available():
                 out[t, i] = g / (np.float32(1.0) + fast_exp(-g)) * gate_up[t, hidden + i]
 
     @njit(cache=True)
-    def layer_forward(x, rope, keys, values, start, mask, use_mask, attn_norm, wqkv, bqkv, bo, wo,  # pragma: no cover
-                      mlp_norm, w_gate_up, w_down, eps, n_heads, n_kv, head_dim, hidden, tiles):
+    def layer_forward(x, rope, keys, values, key_panels, value_panels, start, mask, use_mask,  # pragma: no cover
+                      attn_norm, wqkv, bqkv, bo, wo, mlp_norm, w_gate_up, w_down, eps, n_heads, n_kv, head_dim,
+                      hidden, tiles, att_tiles):
         """x (T, dim) -> the layer's output (T, dim); K/V of the T tokens written at slots start..
         The four matrices come as `cpu_kernels.pack` panels, all of one type; `tiles` are the addresses of
-        the kernels for that type (`cpu_kernels.tiles_for`)."""
+        the kernels for that type (`cpu_kernels.tiles_for`), `att_tiles` those for float32 (attention's)."""
         T, dim = x.shape
         h = np.empty((T, dim), dtype=np.float32)
         _rms_norm(x, attn_norm, eps, h)
@@ -160,8 +171,8 @@ if cpu_kernels.available():
             for i in range(bqkv.shape[0]):
                 qkv[t, i] += bqkv[i]
         att = np.zeros((T, n_heads * head_dim), dtype=np.float32)
-        probs = np.empty((T * n_heads, start + T), dtype=np.float32)
-        _attend(qkv, rope, keys, values, start, mask, use_mask, n_heads, n_kv, head_dim, att, probs)
+        _attend(qkv, rope, keys, values, key_panels, value_panels, start, mask, use_mask, n_heads, n_kv, head_dim, att,
+                att_tiles)
         o = np.empty((T, wo.shape[0] * wo.shape[2]), dtype=np.float32)
         mm_into(att, wo, o, tiles)
         mid = np.empty((T, dim), dtype=np.float32)
@@ -181,14 +192,17 @@ if cpu_kernels.available():
         return mid
 
     @njit(cache=True)
-    def stack_forward(x, rope, keys, values, start, mask, use_mask, attn_norms, wqkv, bqkv, bo, wo,  # pragma: no cover
-                      mlp_norms, w_gate_up, w_down, norm, eps, n_heads, n_kv, head_dim, hidden, tiles):
+    def stack_forward(x, rope, keys, values, key_panels, value_panels, start, mask, use_mask,  # pragma: no cover
+                      attn_norms, wqkv, bqkv, bo, wo, mlp_norms, w_gate_up, w_down, norm, eps, n_heads, n_kv,
+                      head_dim, hidden, tiles, att_tiles):
         """Every layer, then the final norm: x (T, dim) -> final-norm hidden states (T, dim). Per-layer
-        arrays come stacked on a leading layer axis; keys, values (L, Hkv, S_max, D)."""
+        arrays come stacked on a leading layer axis; keys, values (L, Hkv, S_max, D) and their
+        panels (KVCache.keep_panels) (L, Hkv, P, D, NB) and (L, Hkv, Pd, S_max, NB)."""
         for layer in range(attn_norms.shape[0]):
-            x = layer_forward(x, rope, keys[layer], values[layer], start, mask, use_mask, attn_norms[layer],
-                              wqkv[layer], bqkv[layer], bo[layer], wo[layer], mlp_norms[layer], w_gate_up[layer],
-                              w_down[layer], eps, n_heads, n_kv, head_dim, hidden, tiles)
+            x = layer_forward(x, rope, keys[layer], values[layer], key_panels[layer], value_panels[layer], start, mask,
+                              use_mask, attn_norms[layer], wqkv[layer], bqkv[layer], bo[layer], wo[layer],
+                              mlp_norms[layer], w_gate_up[layer], w_down[layer], eps, n_heads, n_kv, head_dim, hidden,
+                              tiles, att_tiles)
         out = np.empty_like(x)
         _rms_norm(x, norm, eps, out)
         return out
@@ -222,6 +236,8 @@ class FusedStack:
         self.w_gate_up = _stack_panels([b.mlp.w_gate_up for b in blocks])
         self.w_down = _stack_panels([b.mlp.w_down for b in blocks])
         self.tiles = cpu_kernels.tiles_for(self.wqkv)
+        self.att_tiles = cpu_kernels.kernels().by_kind["fp32"]  # attention's products are fp32 whatever the weights
+        self.att_panel = cpu_kernels.kernels().isa.panel  # slots per key panel: the tiles' NB
         self.norm = model.norm.weight.detach().numpy()
         self.norm_eps = model.norm.eps
         self._rope = np.empty((0, self.head_dim // 2, 2), dtype=np.float32)
@@ -244,11 +260,15 @@ class FusedStack:
         rope = self.rope(model, positions[0].numpy())
         no_mask = mask is None
         m = self._all_visible if no_mask else mask[0, 0].numpy()  # (T, S)
+        if cache.key_panels is None or cache.value_panels is None:
+            cache.keep_panels(self.att_panel)
         h = stack_forward(
             np.ascontiguousarray(x[0].numpy()), rope, cache.k.numpy()[:, 0], cache.v.numpy()[:, 0],
+            cache.key_panels.numpy()[:, 0], cache.value_panels.numpy()[:, 0],
             cache.lengths[0], m, not no_mask,
             self.attn_norms, self.wqkv, self.bqkv, self.bo, self.wo, self.mlp_norms, self.w_gate_up,
-            self.w_down, self.norm, self.norm_eps, self.n_heads, self.n_kv, self.head_dim, self.hidden, self.tiles)
+            self.w_down, self.norm, self.norm_eps, self.n_heads, self.n_kv, self.head_dim, self.hidden, self.tiles,
+            self.att_tiles)
         return torch.from_numpy(h)[None]
 
     _all_visible = np.ones((1, 1), dtype=np.bool_)
