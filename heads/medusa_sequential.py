@@ -32,8 +32,11 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
+from heads import cpu_heads
 from heads.medusa import MedusaConfig, MedusaHeads
 from specdec.models import cpu_kernels
+
+_NO_ROW = np.empty(0, dtype=np.float32)  # the path row head 0 does not read
 
 
 @dataclass(frozen=True)
@@ -53,7 +56,10 @@ class SequentialMedusaHeads(MedusaHeads):
         dim = cfg.hidden_size
         # (K - 1, dim, dim): P_k of heads 1..K-1; zero at first, so training starts from chained plain heads
         self.path_in = nn.Parameter(torch.zeros(max(cfg.num_heads - 1, 0), dim, dim))
-        self.head_panels: list[list[tuple[np.ndarray, np.ndarray]]] | None = None  # per head, per layer: kernels
+        # per head, per layer: (panels, bias, tile kernels) for the CPU kernels
+        self.head_panels: list[list[tuple[np.ndarray, np.ndarray, np.ndarray]]] | None = None
+        self._proj_tiles: np.ndarray | None = None
+        self._kept_np: np.ndarray | None = None
         # Training only: False stops head k's loss from reaching the heads before it, so that head 0 (whose
         # guess every accepted path starts with) learns for itself alone. Not saved: inference is the same.
         self.chain_grad = True
@@ -119,8 +125,8 @@ class SequentialMedusaHeads(MedusaHeads):
                     parts = [m, self.root_in[k].detach().float()]
                     parts += [self.path_in[k - 1].detach().float()] if k > 0 else []
                     m = torch.cat(parts, dim=1)
-                layers.append((cpu_kernels.pack(m.numpy(), kind=block_weights),
-                               block.linear.bias.detach().float().numpy()))
+                panels = cpu_kernels.pack(m.numpy(), kind=block_weights)
+                layers.append((panels, block.linear.bias.detach().float().numpy(), cpu_kernels.tiles_for(panels)))
             packed.append(layers)
         self.head_panels = packed
 
@@ -129,14 +135,13 @@ class SequentialMedusaHeads(MedusaHeads):
         features) -> (dim,)."""
         if self.head_panels is None:
             return self._stack(k, x, self._extra(k, e_root, e_prev))
-        dim = self.cfg.hidden_size
         xs = x.numpy()
-        for i, (panels, bias) in enumerate(self.head_panels[k]):
-            row = np.concatenate([xs, e_root.numpy()] + ([e_prev.numpy()] if k > 0 and e_prev is not None else [])) \
-                if i == 0 else xs
-            y = cpu_kernels.matmul(row[None], panels, dim)[0] + bias
-            with np.errstate(over="ignore"):  # exp overflow for very negative inputs: SiLU is then -0
-                xs = xs + y / (np.float32(1.0) + np.exp(-y))
+        for i, (panels, bias, tiles) in enumerate(self.head_panels[k]):
+            if i == 0:
+                prev = e_prev.numpy() if k > 0 and e_prev is not None else _NO_ROW
+                xs = cpu_heads.residual_block(xs, e_root.numpy(), prev, panels, bias, tiles)
+            else:
+                xs = cpu_heads.residual_block(xs, _NO_ROW, _NO_ROW, panels, bias, tiles)
         return torch.from_numpy(xs)
 
     def _project(self, x: Tensor, k: int) -> Tensor:
@@ -148,6 +153,12 @@ class SequentialMedusaHeads(MedusaHeads):
         return self.proj @ x
 
     def _top(self, x: Tensor, k: int, width: int) -> tuple[Tensor, Tensor]:
+        if self.proj_panels is not None and self.proj.ndim == 2:  # the shared projection, on the kernels
+            if self._proj_tiles is None:
+                self._proj_tiles, self._kept_np = cpu_kernels.tiles_for(self.proj_panels), self.kept_ids.numpy()
+            best, logp = cpu_heads.top_logprobs(x.numpy(), self.proj_panels, self.proj.shape[0], self._proj_tiles,
+                                                width)
+            return torch.from_numpy(self._kept_np[best]), torch.from_numpy(logp)
         logits = self._project(x, k).float()
         top = logits.topk(width)
         return self.kept_ids[top.indices], top.values - torch.logsumexp(logits, dim=-1)

@@ -238,8 +238,7 @@ if numba is not None:
             return context.get_dummy_value()
         return types.void(*([types.int64] * 9)), codegen
 
-    @njit(parallel=True, cache=True)
-    def mm_into(x, panels, y, tiles):  # pragma: no cover - compiled
+    def _mm_into(x, panels, y, tiles):  # pragma: no cover - compiled
         """y[:, :P NB] = x (M, K) @ W^T for W packed as panels (P, K, NB) by `pack`; x and y rows
         contiguous, y at least P NB wide (the padded columns get products with zero weights).
         `tiles`: the kernels for the panels' type (`tiles_for`)."""
@@ -257,6 +256,13 @@ if numba is not None:
                 for m0 in range(0, M, T):
                     r = min(T, M - m0)
                     _call_tile(tiles[r - 1], xa + 4 * m0 * ldx, ldx, wa, ya + 4 * m0 * ldy, ldy, K, p, p + 1)
+
+    mm_into = njit(parallel=True, cache=True)(_mm_into)  # for Python callers
+    # For other compiled functions to call (cpu_layer, heads/cpu_heads.py): the same code, never read from
+    # numba's disk cache, so it is compiled together with each caller. A cached caller compiled against a
+    # parallel function that was itself loaded from the disk cache crashed the next process that loaded
+    # the caller (a segmentation fault, numba 0.68); compiled together, the caller's cache loads fine.
+    mm_into_nested = njit(parallel=True)(_mm_into)
 
 
 _compiled: dict[Isa, TileKernels] = {}

@@ -11,8 +11,9 @@ Batch of one, up to `cpu_kernels.MAX_ROWS` new tokens (decode steps, drafts, tok
 chunks and batches take the torch path (`Block.forward`), whose large GEMMs BLAS does best.
 
 Attention reads K and V as panels the tile kernels multiply by (`KVCache.keep_panels`, kept beside the
-plain K/V that the torch path reads): before, a pass over 5 tokens after 1024 cached ones cost 1.65x a
-one-token pass, most of it attention; now 1.2-1.3x (`python experiments/pass_times.py`, experiments/README.md).
+plain K/V that the torch path reads): before, a pass over 6 tokens (a 5-node tree) after 1024 cached ones
+cost 1.6x a one-token pass, most of it attention; now 1.2-1.3x (`python experiments/pass_times.py`,
+experiments/README.md).
 """
 
 from __future__ import annotations
@@ -28,7 +29,8 @@ from specdec.models.llama import Block, Llama
 if cpu_kernels.available():
     from numba import njit, prange
 
-    from specdec.models.cpu_kernels import _call_tile, fast_exp, mm_into
+    from specdec.models.cpu_kernels import _call_tile, fast_exp
+    from specdec.models.cpu_kernels import mm_into_nested as mm_into
 
 
     @njit(fastmath=True, error_model="numpy", cache=True)
@@ -57,7 +59,9 @@ if cpu_kernels.available():
             for r in range(totals.shape[0]):
                 totals[r] += x[r, j]
 
-    @njit(parallel=True, fastmath=True, error_model="numpy", cache=True)
+    # Not cached on disk, nor is layer_forward: both hold parallel loops and are compiled with
+    # stack_forward, which is (see cpu_kernels.mm_into_nested).
+    @njit(parallel=True, fastmath=True, error_model="numpy")
     def _attend(qkv, rope, keys, values, key_panels, value_panels, start, mask, use_mask,  # pragma: no cover
                 n_heads, n_kv, head_dim, out, tiles):
         # qkv (T, (H + 2 Hkv) D) rows of new tokens; rope (T, D/2, 2) cos/sin; keys, values (Hkv, S_max, D)
@@ -155,7 +159,7 @@ if cpu_kernels.available():
                 g = gate_up[t, i]
                 out[t, i] = g / (np.float32(1.0) + fast_exp(-g)) * gate_up[t, hidden + i]
 
-    @njit(cache=True)
+    @njit
     def layer_forward(x, rope, keys, values, key_panels, value_panels, start, mask, use_mask,  # pragma: no cover
                       attn_norm, wqkv, bqkv, bo, wo, mlp_norm, w_gate_up, w_down, eps, n_heads, n_kv, head_dim,
                       hidden, tiles, att_tiles):
