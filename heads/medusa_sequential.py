@@ -129,6 +129,9 @@ class SequentialMedusaHeads(MedusaHeads):
                 layers.append((panels, block.linear.bias.detach().float().numpy(), cpu_kernels.tiles_for(panels)))
             packed.append(layers)
         self.head_panels = packed
+        # the shared projection's kernels, chosen here with its copy so that they always match its type
+        self._proj_tiles = cpu_kernels.tiles_for(self.proj_panels) if self.proj_panels is not None else None
+        self._kept_np = self.kept_ids.numpy()
 
     def _node_features(self, k: int, x: Tensor, e_root: Tensor, e_prev: Tensor | None) -> Tensor:
         """Head k's stack on one node: (dim,) input (the target's state for head 0, else the parent's
@@ -153,9 +156,8 @@ class SequentialMedusaHeads(MedusaHeads):
         return self.proj @ x
 
     def _top(self, x: Tensor, k: int, width: int) -> tuple[Tensor, Tensor]:
-        if self.proj_panels is not None and self.proj.ndim == 2:  # the shared projection, on the kernels
-            if self._proj_tiles is None:
-                self._proj_tiles, self._kept_np = cpu_kernels.tiles_for(self.proj_panels), self.kept_ids.numpy()
+        if self.proj_panels is not None and self._proj_tiles is not None and self._kept_np is not None:
+            # the shared projection on the kernels: top-k and log-probabilities in one compiled call
             best, logp = cpu_heads.top_logprobs(x.numpy(), self.proj_panels, self.proj.shape[0], self._proj_tiles,
                                                 width)
             return torch.from_numpy(self._kept_np[best]), torch.from_numpy(logp)

@@ -72,6 +72,8 @@ def test_sequential_heads_on_the_cpu_kernels_match_torch(tiny_target: LoadedMode
     h = torch.randn(64)
     want_start = heads.tree_start(h, 7, 5)
     want_next = heads.tree_expand(want_start[0], 21, 5)
+    heads.use_cpu_kernels("int8", "int8")
+    heads.tree_start(h, 7, 5)  # runs on the int8 copies; packing again below must switch kernels with them
     heads.use_cpu_kernels()  # fp32 projection: the same ranking as torch
     assert heads.head_panels is not None
     got_start = heads.tree_start(h, 7, 5)
