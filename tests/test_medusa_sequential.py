@@ -17,7 +17,7 @@ from heads.medusa_sequential import SequentialMedusaHeads
 from heads.medusa_train import MedusaTrainable
 from specdec.errors import SpecdecError
 from specdec.models import cpu_kernels
-from specdec.models.loader import LoadedModel
+from specdec.models.loader import LoadedModel, load_model
 from specdec.strategies.base import GenerationParams
 from specdec.strategies.greedy import Greedy
 from specdec.strategies.medusa import DynamicTree, Medusa, PathHeads, PathMedusaProposer
@@ -134,16 +134,20 @@ def test_path_tree_is_the_best_paths(tiny_target: LoadedModel) -> None:
 @pytest.mark.parametrize("tree", ["dynamic", "chain", [(0,), (1,), (0, 0), (1, 0), (0, 0, 0), (0, 1)]])
 def test_sequential_medusa_matches_greedy(tiny_target: LoadedModel, tree: object, kernels: bool) -> None:
     heads = _heads(tiny_target, seed=6, num_heads=4, num_layers=1)
-    if kernels:  # the heads as the real model runs them: int8 copies on the CPU kernels
+    target = tiny_target
+    if kernels:  # as the real model runs: the target's fused passes (attention on the K/V panels, compaction
+        # included) and the heads' int8 copies, all on the CPU kernels
         if not cpu_kernels.available():
             pytest.skip("CPU kernels unavailable")
+        target = load_model("tiny-llama", "builtin:tiny-llama", matmul="numba")  # the same weights
+        assert target.model.fused is not None
         heads.use_cpu_kernels("int8", "int8")
         assert heads.head_panels is not None
     want = {}
     for seed in (71, 72):
         prompt = random_ids(12, VOCAB, seed=seed)
-        want[seed] = Greedy(tiny_target, "greedy", max_len=256).generate(prompt, GenerationParams(40), 0).output_ids
-        medusa = Medusa(tiny_target, max_len=256, heads=heads, tree=tree)  # type: ignore[arg-type]
+        want[seed] = Greedy(target, "greedy", max_len=256).generate(prompt, GenerationParams(40), 0).output_ids
+        medusa = Medusa(target, max_len=256, heads=heads, tree=tree)  # type: ignore[arg-type]
         assert medusa.generate(prompt, GenerationParams(40), 0).output_ids == want[seed]
 
 

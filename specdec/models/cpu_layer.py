@@ -11,9 +11,9 @@ Batch of one, up to `cpu_kernels.MAX_ROWS` new tokens (decode steps, drafts, tok
 chunks and batches take the torch path (`Block.forward`), whose large GEMMs BLAS does best.
 
 Attention reads K and V as panels the tile kernels multiply by (`KVCache.keep_panels`, kept beside the
-plain K/V that the torch path reads): before, a pass over 6 tokens (a 5-node tree) after 1024 cached ones
-cost 1.6x a one-token pass, most of it attention; now 1.2-1.3x (`python experiments/pass_times.py`,
-experiments/README.md).
+plain K/V that the torch path reads): before, a pass over 6 tokens (a 5-node tree) cost 1.13x a one-token
+pass after 16 cached tokens and 1.65x after 1024, an extra that grew with attention's work; now 1.1x and
+1.2-1.3x (`python experiments/pass_times.py`, experiments/README.md).
 """
 
 from __future__ import annotations
@@ -74,8 +74,9 @@ if cpu_kernels.available():
         # their scores as one product queries (R, D) @ keys^T and their outputs as one product
         # probabilities (R, S) @ values, both by the fp32 tile kernels (`tiles`), which read each cached
         # key and value once for up to 8 queries and keep 16 sums going at a time. The loops these
-        # replaced (a dot product per query and slot, then a weighted sum per query) made a 5-token
-        # tree's attention cost 5x a one-token pass's at 400 cached slots.
+        # replaced (a dot product per query and slot, then a weighted sum per query) read every cached
+        # key and value once per query: a tree pass's extra over a one-token pass grew with the cache
+        # (module docstring).
         # Exactness: each score is one in-order chain over d, each output one in-order chain over the
         # slots, whatever shares the call (tile kernels); masked slots get probability exactly 0; the
         # softmax total is summed in slot order too. So a token's output is bitwise the same in a chain, a
