@@ -18,6 +18,7 @@ from specdec.errors import SpecdecError
 from specdec.models import cpu_kernels
 from specdec.models.loader import LoadedModel
 from specdec.strategies.base import DecodeState, GenerationParams
+from specdec.strategies.copy_branch import CopyBranch
 from specdec.strategies.greedy import Greedy
 from specdec.strategies.medusa import DynamicMedusaProposer, DynamicTree, Medusa
 
@@ -138,7 +139,8 @@ def test_medusa_config_builds_a_dynamic_tree_and_bad_settings_are_refused(tiny_t
     cfg.heads.path = None
     strategy = instantiate(cfg)(target=tiny_target, max_len=128, prefill_chunk=32)
     assert isinstance(strategy, Medusa) and strategy.tree == DynamicTree(cfg.nodes, cfg.width, cfg.min_prob)
-    assert isinstance(strategy.make_proposer(), DynamicMedusaProposer)
+    proposer = strategy.make_proposer()
+    assert isinstance(proposer, CopyBranch) and isinstance(proposer.inner, DynamicMedusaProposer)
     for bad in ({"nodes": 0}, {"width": 0}, {"min_prob": 1.0}, {"min_prob": -0.1}, {"size": "big"}):
         with pytest.raises(SpecdecError, match="tree=dynamic needs"):
             instantiate(OmegaConf.merge(cfg, bad))(target=tiny_target, max_len=128, prefill_chunk=32)

@@ -32,7 +32,8 @@ from specdec.engine.engine import ForwardOut, pass_cost_curve
 from specdec.errors import SpecdecError
 from specdec.models.loader import LoadedModel
 from specdec.resolvers import REPO_ROOT
-from specdec.strategies.base import DecodeState, SpeculativeStrategy
+from specdec.strategies.base import DecodeState, Proposer, SpeculativeStrategy
+from specdec.strategies.copy_branch import CopyBranch
 from specdec.trees import paths_to_parents
 from specdec.verify import Proposal, Verdict, verify_typical
 
@@ -209,8 +210,12 @@ class Medusa(SpeculativeStrategy):
     def __init__(self, target: LoadedModel, name: str = "medusa", max_len: int = 2048, prefill_chunk: int = 512,
                  heads: Callable[..., Heads] | Heads | None = None, tree: str | Sequence[Sequence[int]] = "dynamic",
                  nodes: int = 5, width: int = 4, min_prob: float = 0.0, size: str = "fixed",
-                 acceptance: str = "typical", epsilon: float = 0.09, delta: float = 0.3) -> None:
+                 acceptance: str = "typical", epsilon: float = 0.09, delta: float = 0.3,
+                 copy_tokens: int = 0, ngram_min: int = 1, ngram_max: int = 3) -> None:
         super().__init__(target, name, max_len, prefill_chunk)
+        if copy_tokens < 0 or not 1 <= ngram_min <= ngram_max:
+            raise SpecdecError(f"strategy=medusa needs copy_tokens >= 0 and 1 <= ngram_min <= ngram_max, got "
+                               f"{copy_tokens}, {ngram_min}, {ngram_max}; e.g. strategy.copy_tokens=0 (no copy branch)")
         if heads is None:
             raise SpecdecError("strategy=medusa needs heads: set strategy.heads (see configs/strategy/medusa.yaml)")
         self.heads: Heads = heads(target=target) if callable(heads) and not hasattr(heads, "topk") else heads
@@ -237,6 +242,14 @@ class Medusa(SpeculativeStrategy):
             self.costs = [0.0, 1.0]
             for n in range(2, self.tree.nodes + 2):  # a bigger pass never counts as cheaper
                 self.costs.append(max(self.costs[-1], measured[n]))
+        self.copy_tokens, self.ngram_min, self.ngram_max = copy_tokens, ngram_min, ngram_max
+        self.copy_costs: dict[int, float] = {}
+        if copy_tokens:
+            if not getattr(self.engine, "supports_trees", False):
+                raise SpecdecError("strategy.copy_tokens > 0 adds a branch to the tree, which needs the compact "
+                                   "model; set strategy.copy_tokens=0")
+            tree_nodes = self.tree.nodes if isinstance(self.tree, DynamicTree) else len(self.tree)
+            self.copy_costs = {1: 1.0, **pass_cost_curve(self.engine, list(range(2, tree_nodes + copy_tokens + 2)))}
 
     @property
     def paths(self) -> list[tuple[int, ...]]:
@@ -245,7 +258,14 @@ class Medusa(SpeculativeStrategy):
             raise AttributeError("a dynamic tree has no fixed paths")
         return self.tree
 
-    def make_proposer(self) -> HeadsProposer:
+    def make_proposer(self) -> Proposer:
+        heads = self.make_heads_proposer()
+        if not self.copy_tokens:
+            return heads
+        return CopyBranch(heads, self.ngram_min, self.ngram_max, self.copy_tokens, self.engine.max_len,
+                          self.copy_costs)
+
+    def make_heads_proposer(self) -> HeadsProposer:
         # the tree plus its root must fit the cache; the loop checks nothing else
         room = lambda: self.engine.max_len - self.engine.length - 1  # noqa: E731
         if isinstance(self.tree, DynamicTree):
