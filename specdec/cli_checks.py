@@ -120,16 +120,37 @@ def hydra_error_line(exc: BaseException, argv: list[str]) -> str:
     return f"{detail} (rerun with debug=true for the traceback)"
 
 
+def _strategy_file(name: str, seen: tuple[str, ...] = ()) -> DictConfig:
+    """configs/strategy/NAME.yaml over the strategies its `defaults` list names, as Hydra composes a group
+    file (`defaults: [medusa, _self_]` is medusa with this file's keys on top)."""
+    path = CONFIG_DIR / "strategy" / f"{name}.yaml"
+    if not path.is_file():
+        raise _unknown("strategy", name)
+    if name in seen:
+        raise SpecdecError(f"configs/strategy/{name}.yaml names itself in its defaults (through "
+                           f"{', '.join(seen)}); break the loop")
+    own = OmegaConf.load(path)
+    assert isinstance(own, DictConfig)
+    merged = OmegaConf.create()
+    for entry in own.pop("defaults", None) or []:
+        if entry == "_self_":
+            continue
+        if not isinstance(entry, str):
+            raise SpecdecError(f"configs/strategy/{name}.yaml: defaults may list only other strategies of the "
+                               f"group and _self_, got {entry!r}")
+        merged = OmegaConf.merge(merged, _strategy_file(entry, (*seen, name)))
+    out = OmegaConf.merge(merged, own)
+    assert isinstance(out, DictConfig)
+    return out
+
+
 def strategy_config(cfg: DictConfig, name: str) -> DictConfig:
     """The config of strategy `name`: the composed `strategy` group if it is that one (so overrides
     such as strategy.gamma=4 apply), otherwise configs/strategy/NAME.yaml as written."""
     if cfg.strategy is not None and cfg.strategy.get("name") == name:
         scfg = OmegaConf.create(OmegaConf.to_container(cfg.strategy, resolve=False))
     else:
-        path = CONFIG_DIR / "strategy" / f"{name}.yaml"
-        if not path.is_file():
-            raise _unknown("strategy", name)
-        scfg = OmegaConf.load(path)
+        scfg = _strategy_file(name)
     assert isinstance(scfg, DictConfig)
     scfg = OmegaConf.merge(scfg, {})
     scfg.pop("defaults", None)

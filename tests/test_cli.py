@@ -186,6 +186,17 @@ def _mentions(cfg: DictConfig, text: str) -> bool:
     return text in json.dumps(OmegaConf.to_container(cfg, resolve=True), default=str)
 
 
+def test_a_strategy_file_over_another_reads_the_same_from_a_list(tmp_path: Path) -> None:
+    # medusa_heads.yaml is `defaults: [medusa, _self_]` plus its own keys: a run that lists it must see
+    # what Hydra composes for strategy=medusa_heads
+    alone = compose_run(["strategy=medusa_heads", f"output_dir={tmp_path}"])
+    listed = compose_run(["strategies=[greedy,medusa_heads]", f"output_dir={tmp_path}"])
+    assert "defaults" in OmegaConf.load(CONFIG_DIR / "strategy" / "medusa_heads.yaml")
+    got, want = strategy_config(listed, "medusa_heads"), strategy_config(alone, "medusa_heads")
+    assert got == want and got.copy_tokens == 0 and got.name == "medusa_heads"
+    assert got.heads == strategy_config(listed, "medusa").heads  # the rest is medusa's
+
+
 @pytest.mark.parametrize(("group", "name"), GROUP_FILES, ids=[f"{g}={n}" for g, n in GROUP_FILES])
 def test_every_config_composes(group: str, name: str, tiny_jsonl: Path, tiny_target: LoadedModel,
                                tmp_path: Path) -> None:

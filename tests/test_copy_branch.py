@@ -156,6 +156,20 @@ def test_exact_sampling_with_the_copy_preserves_the_target_distribution(looping:
     assert_draws_follow(counts, warp(logits[-1], sp), min_bins=3)
 
 
+def test_typical_acceptance_gets_no_copy(looping: LoadedModel) -> None:
+    heads = medusa_heads(looping, num_heads=3, seed=5)
+    sampled = GenerationParams(8, SamplingParams(temperature=0.7))
+    for acceptance, copies in (("typical", False), ("exact", True)):
+        medusa = Medusa(looping, max_len=128, heads=heads, nodes=3, acceptance=acceptance, copy_tokens=4)
+        for params, want in ((sampled, copies), (GenerationParams(8), True)):  # greedy always copies
+            out = medusa.engine.prefill(PATTERN)
+            state = DecodeState([*PATTERN, PATTERN[0]], len(PATTERN), params, torch.Generator().manual_seed(0))
+            proposer = medusa.make_proposer()
+            proposer.start(state, out)
+            proposal = proposer.propose(state)
+            assert proposal is not None and bool(proposer._nodes) == want  # type: ignore[attr-defined]
+
+
 def test_config_and_bad_settings(tiny_target: LoadedModel) -> None:
     cfg = OmegaConf.load(CONFIG_DIR / "strategy" / "medusa.yaml")
     assert cfg.copy_tokens > 0  # the shipped strategy copies

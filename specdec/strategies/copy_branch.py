@@ -33,6 +33,10 @@ class CopyBranch:
     max_tokens: int
     room: int  # the cache's size: the tree plus its root must fit after the sequence
     costs: dict[int, float]  # a pass over n tokens relative to one, n = 1 .. inner nodes + 1 + max_tokens
+    # copy at temperature > 0 too: only under an exact acceptance rule. Medusa's typical acceptance takes
+    # any token the target finds plausible enough, and offered a copy each step its sampled outputs looped
+    # (over twice the repeated 4-grams of plain sampling, experiments/README.md), so it gets the heads' tree alone.
+    sampled: bool = True
     index: NGramIndex = field(init=False)
     # this turn's record per match length n: of the copies that reached depth i, how many had token i kept
     tried: dict[int, list[int]] = field(init=False)
@@ -75,6 +79,8 @@ class CopyBranch:
         self.index.extend(state.ids)
         proposal = self.inner.propose(state)
         self._nodes = []
+        if not (self.sampled or state.params.sampling.greedy):
+            return proposal
         tokens = proposal.tokens.tolist() if proposal is not None else []
         parents = list(proposal.parents) if proposal is not None else []
         if proposal is not None and (proposal.probs is not None or proposal.mask is not None

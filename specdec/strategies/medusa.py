@@ -263,7 +263,7 @@ class Medusa(SpeculativeStrategy):
         if not self.copy_tokens:
             return heads
         return CopyBranch(heads, self.ngram_min, self.ngram_max, self.copy_tokens, self.engine.max_len,
-                          self.copy_costs)
+                          self.copy_costs, sampled=self.acceptance == "exact")
 
     def make_heads_proposer(self) -> HeadsProposer:
         # the tree plus its root must fit the cache; the loop checks nothing else
