@@ -154,3 +154,20 @@ def test_chat_heldapart_leaves_out_every_shipped_training_draw() -> None:
     assert 4800 in module.SHIPPED_DRAWS
     for draw in module.SHIPPED_DRAWS:
         assert not set(questions) & set(instruction_prompts(draw, seed=1)), draw
+
+
+def test_repetition_counts_repeated_4grams_per_strategy(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    spec = importlib.util.spec_from_file_location(
+        "repetition", Path(__file__).resolve().parent.parent / "experiments" / "repetition.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert module.repeated_share([1, 2, 3, 4, 5, 6]) == 0.0
+    assert module.repeated_share([1, 2, 3, 4] * 3) == pytest.approx(1 - 4 / 9)  # 9 grams, 4 distinct
+    assert module.repeated_share([1, 2]) == 0.0  # too short for one 4-gram
+    rows = [{"strategy": "a", "output_ids": [1, 2, 3, 4] * 3}, {"strategy": "a", "output_ids": [5, 6, 7, 8]},
+            {"strategy": "b", "output_ids": [9] * 10}]
+    (tmp_path / "answers.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    module.main([str(tmp_path)])
+    assert f"a {(1 - 4 / 9) / 2:.3f}, b {1 - 1 / 7:.3f}" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="not found"):
+        module.main([str(tmp_path / "missing")])
