@@ -130,9 +130,11 @@ def test_path_tree_is_the_best_paths(tiny_target: LoadedModel) -> None:
     assert calls <= nodes - 1  # only the expansions the search needed
 
 
+@pytest.mark.parametrize("copy_tokens", [0, 6])
 @pytest.mark.parametrize("kernels", [False, True])
 @pytest.mark.parametrize("tree", ["dynamic", "chain", [(0,), (1,), (0, 0), (1, 0), (0, 0, 0), (0, 1)]])
-def test_sequential_medusa_matches_greedy(tiny_target: LoadedModel, tree: object, kernels: bool) -> None:
+def test_sequential_medusa_matches_greedy(tiny_target: LoadedModel, tree: object, kernels: bool,
+                                          copy_tokens: int) -> None:
     heads = _heads(tiny_target, seed=6, num_heads=4, num_layers=1)
     target = tiny_target
     if kernels:  # as the real model runs: the target's fused passes (attention on the K/V panels, compaction
@@ -145,9 +147,10 @@ def test_sequential_medusa_matches_greedy(tiny_target: LoadedModel, tree: object
         assert heads.head_panels is not None
     want = {}
     for seed in (71, 72):
-        prompt = random_ids(12, VOCAB, seed=seed)
+        # the second prompt repeats itself, so the copy branch (copy_tokens > 0) has something to copy
+        prompt = random_ids(12, VOCAB, seed=seed) if seed == 71 else random_ids(5, VOCAB, seed=seed) * 3
         want[seed] = Greedy(target, "greedy", max_len=256).generate(prompt, GenerationParams(40), 0).output_ids
-        medusa = Medusa(target, max_len=256, heads=heads, tree=tree)  # type: ignore[arg-type]
+        medusa = Medusa(target, max_len=256, heads=heads, tree=tree, copy_tokens=copy_tokens)  # type: ignore[arg-type]
         assert medusa.generate(prompt, GenerationParams(40), 0).output_ids == want[seed]
 
 
