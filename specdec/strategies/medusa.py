@@ -7,7 +7,9 @@ path. The tree is fixed (`strategy.tree`: a tuned file, `default`, `chain` or a 
 default, `dynamic`: rebuilt every step from the heads' probabilities (`DynamicMedusaProposer`).
 At temperature 0 acceptance is greedy (lossless). At temperature > 0 the default is Medusa's
 typical acceptance, which is faster but NOT distribution-preserving; `acceptance=exact` uses the
-exact multi-candidate rule of `specdec.verify` instead.
+exact multi-candidate rule of `specdec.verify` instead. With `copy_tokens` > 0 the context's own
+continuation joins the tree as one more path (`specdec.strategies.copy_branch.CopyBranch`), except under
+typical acceptance at temperature > 0.
 
 The heads come built from the config (`heads._target_` pointing at a loader in `heads/`), called
 with the target; this module only needs their `num_heads`, `topk` and `topk_logprobs`. Heads whose
