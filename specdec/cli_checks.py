@@ -153,7 +153,6 @@ def strategy_config(cfg: DictConfig, name: str) -> DictConfig:
         scfg = _strategy_file(name)
     assert isinstance(scfg, DictConfig)
     scfg = OmegaConf.merge(scfg, {})
-    scfg.pop("defaults", None)
     # interpolations such as ${model} resolve against the run's config
     root = OmegaConf.create(OmegaConf.to_container(cfg, resolve=False))
     root._this = scfg

@@ -20,6 +20,7 @@ import torch
 from specdec.engine.engine import ForwardOut
 from specdec.ngram import NGramIndex, lookup, match_length
 from specdec.strategies.base import DecodeState, Proposer
+from specdec.strategies.prompt_lookup import expected_kept
 from specdec.verify import Proposal, Verdict
 
 
@@ -59,17 +60,13 @@ class CopyBranch:
         """Copy tokens in 0..cap maximising expected committed tokens per unit of pass time.
 
         Without the copy a pass over the tree's `tree` nodes commits what the tree has committed per
-        pass so far this turn; the copy's token i adds P(tokens 1..i kept), each factor estimated as
-        (hits + 2) / (tries + 3) (optimistic at first, so the copy gets tried). Counting the copy's
-        kept tokens as all extra overstates it where the tree found the same tokens; the cost rule is
-        only there to keep poor matches from growing every pass.
+        pass so far this turn; the copy's token i adds P(tokens 1..i kept) (`expected_kept`). Counting
+        the copy's kept tokens as all extra overstates it where the tree found the same tokens; the cost
+        rule is only there to keep poor matches from growing every pass.
         """
         base = (self.committed + 2.0) / (self.steps + 1.0)  # 2: a mildly optimistic prior for the tree
         best, best_value = 0, base / self.costs[tree + 1]
-        survive, expected = 1.0, 0.0
-        for k in range(1, cap + 1):
-            survive *= (self.hit[n][k] + 2) / (self.tried[n][k] + 3)
-            expected += survive
+        for k, expected in enumerate(expected_kept(self.hit[n], self.tried[n], cap), start=1):
             value = (base + expected) / self.costs[tree + 1 + k]
             if value > best_value:
                 best, best_value = k, value

@@ -238,20 +238,21 @@ class Medusa(SpeculativeStrategy):
             raise SpecdecError(f"Medusa trees need the compact model but {target.name} runs through transformers; "
                                "use strategy.tree=chain")
         self.acceptance, self.epsilon, self.delta = acceptance, epsilon, delta
-        self.costs: list[float] | None = None  # costs[n]: a pass over n tokens / one token
-        if isinstance(self.tree, DynamicTree) and self.tree.size == "cost":
-            measured = pass_cost_curve(self.engine, list(range(2, self.tree.nodes + 2)))
-            self.costs = [0.0, 1.0]
-            for n in range(2, self.tree.nodes + 2):  # a bigger pass never counts as cheaper
-                self.costs.append(max(self.costs[-1], measured[n]))
+        if copy_tokens and not getattr(self.engine, "supports_trees", False):
+            raise SpecdecError("strategy.copy_tokens > 0 adds a branch to the tree, which needs the compact "
+                               "model; set strategy.copy_tokens=0")
         self.copy_tokens, self.ngram_min, self.ngram_max = copy_tokens, ngram_min, ngram_max
-        self.copy_costs: dict[int, float] = {}
-        if copy_tokens:
-            if not getattr(self.engine, "supports_trees", False):
-                raise SpecdecError("strategy.copy_tokens > 0 adds a branch to the tree, which needs the compact "
-                                   "model; set strategy.copy_tokens=0")
-            tree_nodes = self.tree.nodes if isinstance(self.tree, DynamicTree) else len(self.tree)
-            self.copy_costs = {1: 1.0, **pass_cost_curve(self.engine, list(range(2, tree_nodes + copy_tokens + 2)))}
+        cost_sized = isinstance(self.tree, DynamicTree) and self.tree.size == "cost"
+        # pass costs relative to one token, measured once on this hardware for the tree and for the copy
+        tree_nodes = self.tree.nodes if isinstance(self.tree, DynamicTree) else len(self.tree)
+        self.pass_costs: dict[int, float] = {}
+        if cost_sized or copy_tokens:
+            self.pass_costs = {1: 1.0, **pass_cost_curve(self.engine, list(range(2, tree_nodes + copy_tokens + 2)))}
+        self.costs: list[float] | None = None  # costs[n]: a pass over n tokens / one token
+        if cost_sized:
+            self.costs = [0.0, 1.0]
+            for n in range(2, tree_nodes + 2):  # a bigger pass never counts as cheaper
+                self.costs.append(max(self.costs[-1], self.pass_costs[n]))
 
     @property
     def paths(self) -> list[tuple[int, ...]]:
@@ -265,7 +266,7 @@ class Medusa(SpeculativeStrategy):
         if not self.copy_tokens:
             return heads
         return CopyBranch(heads, self.ngram_min, self.ngram_max, self.copy_tokens, self.engine.max_len,
-                          self.copy_costs, sampled=self.acceptance == "exact")
+                          self.pass_costs, sampled=self.acceptance == "exact")
 
     def make_heads_proposer(self) -> HeadsProposer:
         # the tree plus its root must fit the cache; the loop checks nothing else

@@ -16,6 +16,19 @@ from specdec.strategies.base import DecodeState, Proposer, SpeculativeStrategy
 from specdec.verify import Proposal, Verdict
 
 
+def expected_kept(hit: list[int], tried: list[int], cap: int) -> list[float]:
+    """E[copied tokens kept] for copies of 1..cap tokens, from a record per depth i (of the copies that
+    reached depth i, `tried[i]` had token i tested and `hit[i]` kept it). Each factor of P(tokens 1..i
+    all kept) is estimated as (hits + 2) / (tries + 3): optimistic at first, so that copying gets tried,
+    and then the turn's own record (copy runs differ a lot between texts)."""
+    out, survive, expected = [], 1.0, 0.0
+    for i in range(1, cap + 1):
+        survive *= (hit[i] + 2) / (tried[i] + 3)
+        expected += survive
+        out.append(expected)
+    return out
+
+
 class PromptLookupProposer:
     """Keeps an n-gram index of the sequence in step with the committed tokens, and a draft length
     that follows recent acceptance: doubled after a fully accepted draft, cut to one past the
@@ -46,17 +59,13 @@ class PromptLookupProposer:
     def best_length(self, n: int, cap: int) -> int:
         """Draft length in 0..cap maximising (1 + E[accepted]) / cost(pass); 0 means do not draft.
 
-        E[accepted] for length k sums P(the first i drafted tokens are all accepted) over i <= k, each
-        conditional factor estimated as (hits + 2) / (tries + 3): optimistic at first, so that drafting
-        gets tried, and then this turn's own record (copy runs differ a lot between texts).
+        E[accepted] for length k sums P(the first i drafted tokens are all accepted) over i <= k
+        (`expected_kept`).
         """
         if self.costs is None:
             return cap
         best, best_value = 0, self.floor
-        survive, expected = 1.0, 0.0
-        for k in range(1, cap + 1):
-            survive *= (self._hit[n][k] + 2) / (self._tried[n][k] + 3)
-            expected += survive
+        for k, expected in enumerate(expected_kept(self._hit[n], self._tried[n], cap), start=1):
             value = (1.0 + expected) / self.costs[1 + k * self.num]
             if value > best_value:
                 best, best_value = k, value
