@@ -67,3 +67,8 @@ def check_finite(logits: Tensor) -> None:
     # real models are far too small for a sum of 50k of them to overflow). ~4x cheaper on a CPU.
     if not torch.isfinite(logits.sum(-1)).all():
         raise SpecdecError("the model produced NaN or inf logits; try model.dtype=fp32, or check the weights")
+
+
+def new_generator(device: torch.device | str, seed: int) -> torch.Generator:
+    """A seeded generator on `device`: torch draws with a generator on the tensors' own device only."""
+    return torch.Generator(device=torch.device(device)).manual_seed(seed)

@@ -34,10 +34,22 @@ def resolve_device(device: str) -> torch.device:
     return torch.device(device)
 
 
-def resolve_dtype(dtype: str) -> torch.dtype:
+def resolve_dtype(dtype: str, device: torch.device | None = None) -> torch.dtype:
+    """`auto`: bf16 on CUDA (what GPUs decode in), fp32 elsewhere (the CPU kernels run fp32)."""
+    if dtype == "auto":
+        return torch.bfloat16 if device is not None and device.type == "cuda" else torch.float32
     if dtype not in DTYPES:
-        raise SpecdecError(f"unknown dtype {dtype!r}; use one of fp32, bf16, fp16")
+        raise SpecdecError(f"unknown dtype {dtype!r}; use auto or one of fp32, bf16, fp16")
     return DTYPES[dtype]
+
+
+def resolve_compile(compile: bool | str, device: torch.device) -> bool:
+    """`auto`: compile on CUDA (CUDA graphs per token bucket); eager on the CPU, where the numba kernels run."""
+    if compile == "auto":
+        return device.type == "cuda"
+    if not isinstance(compile, bool):
+        raise SpecdecError(f"unknown model.compile {compile!r}; use auto, true or false")
+    return compile
 
 
 def resolve_folder(path: str, tiny: dict[str, Any] | None = None, revision: str | None = None) -> Path:
@@ -104,6 +116,7 @@ class LoadedModel:
     eos_ids: tuple[int, ...] = ()
     torch_threads: int | None = None  # torch's thread count while our model runs (None: leave it)
     matmul: str = "torch"  # what runs the linear layers: torch, numpy (BLAS) or numba (specdec's kernels)
+    compile: bool = False  # target passes run as torch.compile'd static-shape steps (engine/static_step.py)
     _hf: Any = field(default=None, repr=False)
 
     @property
@@ -144,13 +157,15 @@ class LoadedModel:
         return self.tokenizer(text)["input_ids"]
 
 
-def load_model(name: str, path: str, backend: str = "compact", dtype: str = "fp32", device: str = "cpu",
+def load_model(name: str, path: str, backend: str = "compact", dtype: str = "auto", device: str = "cpu",
                trust_remote_code: bool = False, revision: str | None = None,
-               tiny: dict[str, Any] | None = None, matmul: str = "auto") -> LoadedModel:
+               tiny: dict[str, Any] | None = None, matmul: str = "auto",
+               compile: bool | str = "auto") -> LoadedModel:
     """Entry point for `configs/model/*.yaml` (`_target_: specdec.models.load_model`)."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
-    dev, dt = resolve_device(device), resolve_dtype(dtype)
+    dev = resolve_device(device)
+    dt, compiled = resolve_dtype(dtype, dev), resolve_compile(compile, dev)
     folder = resolve_folder(path, tiny, revision)
     try:
         config = AutoConfig.from_pretrained(folder, trust_remote_code=trust_remote_code)
@@ -201,7 +216,7 @@ def load_model(name: str, path: str, backend: str = "compact", dtype: str = "fp3
     if tokenizer.eos_token_id is not None:
         eos.append(tokenizer.eos_token_id)
     return LoadedModel(name, folder, tokenizer, model, backend, dt, dev, trust_remote_code,
-                       tuple(dict.fromkeys(eos)), threads, kind)
+                       tuple(dict.fromkeys(eos)), threads, kind, compiled and backend == "compact")
 
 
 

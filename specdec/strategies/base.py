@@ -17,7 +17,7 @@ from typing import Any, Protocol
 import torch
 
 from specdec.engine.engine import Engine, ForwardOut, HFEngine, StaticEngine
-from specdec.engine.sampling import SamplingParams, argmax_id, check_finite, sample, warp
+from specdec.engine.sampling import SamplingParams, argmax_id, check_finite, new_generator, sample, warp
 from specdec.models.loader import LoadedModel
 from specdec.trees import tree_depth, tree_mask
 from specdec.verify import Proposal, Verdict, verify
@@ -135,7 +135,7 @@ class SpeculativeStrategy(Strategy):
         return sample(warp(logits, sp), state.generator)
 
     def _generate(self, prompt_ids: list[int], params: GenerationParams, seed: int) -> TurnResult:
-        gen = None if params.sampling.greedy else torch.Generator().manual_seed(seed)
+        gen = None if params.sampling.greedy else new_generator(self.engine.device, seed)
         start = time.perf_counter()
         out = self.engine.prefill(prompt_ids)
         check_finite(out.logits)
