@@ -25,10 +25,15 @@ def tree_mask(parents: list[int]) -> Tensor:
 
 def tree_depth(parents: list[int]) -> Tensor:
     """(N+1,) distance from the root, used as the position offset of every node."""
+    return torch.tensor(depth_list(parents))
+
+
+def depth_list(parents: list[int]) -> list[int]:
+    """tree_depth as a host list (bookkeeping that must not touch tensors)."""
     depth = [0]
     for p in parents:
         depth.append(depth[p] + 1)
-    return torch.tensor(depth)
+    return depth
 
 
 def children(parents: list[int]) -> list[list[int]]:

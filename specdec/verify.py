@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from specdec.engine.sampling import SamplingParams, argmax_rows, sample, warp
+from specdec.engine.sampling import SamplingParams, read_greedy, sample, warp
 from specdec.trees import children
 
 
@@ -46,9 +46,10 @@ def verify(proposal: Proposal, logits: Tensor, params: SamplingParams,
 
 
 def verify_greedy(proposal: Proposal, logits: Tensor) -> Verdict:
-    """Keep the longest path whose every token equals the target's argmax after its parent."""
-    pred = argmax_rows(logits)  # (N+1,) target's next token after each node
-    tokens = proposal.tokens.tolist()
+    """Keep the longest path whose every token equals the target's argmax after its parent.
+
+    One device-to-host read: the target's argmax per row (N+1,) and the proposed tokens together."""
+    pred, tokens = read_greedy(logits, proposal.tokens)  # pred[i]: target's next token after node i
     kids = children(proposal.parents)
     path: list[int] = []
     best: list[int] = []

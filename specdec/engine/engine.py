@@ -13,6 +13,8 @@ import torch
 from torch import Tensor
 
 from specdec.engine.kv_cache import KVCache
+from specdec.engine.static_step import BUCKETS, StaticStep
+from specdec.engine.timing import clock
 from specdec.errors import SpecdecError
 
 
@@ -34,16 +36,30 @@ class Engine(Protocol):
 
 
 class StaticEngine:
-    """Our compact model over a static cache: chains and token trees."""
+    """Our compact model over a static cache: chains and token trees.
+
+    compile: decode passes of up to BUCKETS[-1] tokens run as `torch.compile`d static-shape steps
+    (engine/static_step.py); static: the same static-shape step without compiling (to compare the two).
+    Prefill and longer passes stay eager; both write the same cache.
+    """
 
     supports_trees = True
 
-    def __init__(self, model: Any, max_len: int, prefill_chunk: int = 512) -> None:
+    def __init__(self, model: Any, max_len: int, prefill_chunk: int = 512, compile: bool = False,
+                 static: bool = False) -> None:
         self.model = model
         self.max_len = max_len
         self.prefill_chunk = prefill_chunk
-        self.cache: KVCache = model.new_cache(max_len)
         self.device = model.device
+        self.static: StaticStep | None = None
+        if compile or static:
+            if getattr(model, "fused", None) is not None:
+                raise SpecdecError("model.compile=true runs the torch path, not the CPU kernels; "
+                                   "add model.matmul=torch")
+            self.cache: KVCache = model.new_cache(max_len + BUCKETS[-1])  # room for a padded last step
+            self.static = StaticStep(model, self.cache, compile=compile)
+        else:
+            self.cache = model.new_cache(max_len)
         self._arange = torch.arange(max_len, device=self.device)
 
     @property
@@ -76,6 +92,13 @@ class StaticEngine:
     def forward(self, tokens: Tensor, depth: Tensor | None = None, mask: Tensor | None = None) -> ForwardOut:
         """Feed tokens (T,) at positions length + depth (a chain when depth is None) under mask (T, T)."""
         n = self.length
+        if self.static is not None and len(tokens) <= BUCKETS[-1]:
+            if n + len(tokens) > self.max_len:
+                raise SpecdecError(f"KV cache overflow: {n + len(tokens)} positions needed but the cache holds "
+                                   f"{self.max_len}; shorten the prompt or lower generation.max_new_tokens")
+            logits, h = self.static(tokens, depth, mask, n)
+            self.cache.advance(len(tokens))
+            return ForwardOut(logits, h)
         pos = self._arange[n:n + len(tokens)] if depth is None else n + depth.to(self.device)
         logits, h = self._run(tokens.to(self.device), pos, mask)
         return ForwardOut(logits, h)
@@ -171,9 +194,8 @@ def pass_times(engine: Engine, ids: list[int], sizes: list[int], reps: int = 5) 
     shared machine whose speed drifts by tens of percent between seconds, timing one size after
     another made the curve zigzag.
     """
-    import time
-
     engine.prefill(ids)
+    device = getattr(engine, "device", None)
     order = list(dict.fromkeys(sizes))
     samples: dict[int, list[float]] = {n: [] for n in order}
     for n in order:  # warm-up: first calls compile kernels and touch buffers
@@ -181,9 +203,9 @@ def pass_times(engine: Engine, ids: list[int], sizes: list[int], reps: int = 5) 
         engine.rollback(len(ids))
     for _ in range(reps):
         for n in order:
-            start = time.perf_counter()
+            start = clock(device)
             engine.forward(torch.zeros(n, dtype=torch.long))
-            samples[n].append(time.perf_counter() - start)
+            samples[n].append(clock(device) - start)
             engine.rollback(len(ids))
     engine.reset()
     return {n: sorted(t)[len(t) // 2] for n, t in samples.items()}

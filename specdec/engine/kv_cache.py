@@ -90,6 +90,13 @@ class KVCache:
         end = max(self.lengths) + T
         return self.k[layer, :, :, :end], self.v[layer, :, :, :end]
 
+    def write_at(self, layer: int, k: Tensor, v: Tensor, slots: Tensor) -> tuple[Tensor, Tensor]:
+        """Static-shape write: K/V (B, H_kv, T, D) into slots (T,) (a device tensor), in place; returns
+        K/V over every slot (B, H_kv, T_max, D). Lengths are the caller's to advance."""
+        self.k[layer].index_copy_(2, slots, k)
+        self.v[layer].index_copy_(2, slots, v)
+        return self.k[layer], self.v[layer]
+
     def advance(self, n_new: int) -> None:
         self.lengths = [n + n_new for n in self.lengths]
         self._pending = 0

@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import functools
+import threading
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any, TypeVar
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -42,6 +47,59 @@ def warp(logits: Tensor, params: SamplingParams) -> Tensor:
     return probs
 
 
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+class HostReads(threading.local):
+    """Counts the reads that bring device values to the host (each a synchronisation on a GPU).
+
+    Functions marked `@host_read` are the decode loop's sanctioned transfers; the tests count them and
+    every tensor-to-Python conversion made outside them (tests/test_host_syncs.py)."""
+
+    count = 0
+    inside = 0
+
+
+HOST_READS = HostReads()
+
+
+def host_read(fn: F) -> F:
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        HOST_READS.count += 1
+        HOST_READS.inside += 1
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            HOST_READS.inside -= 1
+    return wrapper  # type: ignore[return-value]
+
+
+@host_read
+def read_greedy(logits: Tensor, tokens: Tensor | None = None) -> tuple[list[int], list[int]]:
+    """The one device-to-host read of a greedy step: the target's argmax after each fed token (T,),
+    the proposal's tokens (N,) when they live on the device, and whether every logit is finite (a
+    SpecdecError if not), all in a single transfer."""
+    if logits.device.type == "cpu" and logits.dtype == torch.float32:
+        x = logits.numpy()  # numpy's argmax: see argmax_rows
+        finite = bool(np.isfinite(x.sum(-1)).all())
+        pred = x.argmax(-1).tolist()
+        toks = [] if tokens is None else tokens.tolist()
+    else:
+        parts = [logits.argmax(-1), torch.isfinite(logits.sum(-1)).all().long()[None]]
+        on_device = tokens is not None and tokens.device == logits.device
+        if on_device:
+            parts.append(tokens)  # type: ignore[arg-type]
+        flat = torch.cat(parts).tolist()
+        T = logits.shape[0]
+        pred, finite = flat[:T], bool(flat[T])
+        toks = flat[T + 1:] if on_device else ([] if tokens is None else tokens.tolist())
+    if not finite:
+        raise SpecdecError("the model produced NaN or inf logits; try model.dtype=fp32, or check the weights")
+    return pred, toks
+
+
+@host_read
 def argmax_rows(logits: Tensor) -> list[int]:
     """The greedy token of each row of logits (T, V) (the first maximum, as torch.argmax gives).
 
@@ -53,11 +111,13 @@ def argmax_rows(logits: Tensor) -> list[int]:
     return logits.argmax(-1).tolist()
 
 
+@host_read
 def argmax_id(logits: Tensor) -> int:
     """The greedy token of one row of logits (V,)."""
     return argmax_rows(logits[None])[0]
 
 
+@host_read
 def sample(probs: Tensor, generator: torch.Generator | None) -> int:
     return int(torch.multinomial(probs, 1, generator=generator))
 

@@ -104,6 +104,15 @@ def apply_rope(x: Tensor, freqs: Tensor) -> Tensor:
     return torch.view_as_real(xc * freqs).flatten(-2).to(x.dtype)
 
 
+def apply_rope_real(x: Tensor, freqs: Tensor) -> Tensor:
+    """apply_rope in real arithmetic, freqs (B, T, 1, D/2, 2) holding cos and sin: inductor generates
+    no code for complex tensors, so the compiled step rotates pairs this way."""
+    xf = x.float().unflatten(-1, (-1, 2))  # (B, T, H, D/2, 2)
+    a, b = xf[..., 0], xf[..., 1]
+    cos, sin = freqs[..., 0], freqs[..., 1]
+    return torch.stack([a * cos - b * sin, a * sin + b * cos], -1).flatten(-2).to(x.dtype)
+
+
 def interleave_rows(w: Tensor, n_heads: int, head_dim: int) -> Tensor:
     """Reorder each head's rows from [0..D/2, D/2..D] to [0, D/2, 1, D/2+1, ...]."""
     rest = w.shape[1:]
@@ -119,14 +128,21 @@ class Attention(nn.Module):
         self.wqkv = nn.Linear(args.dim, qkv_out, bias=args.qkv_bias)
         self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=args.o_bias)
 
-    def forward(self, x: Tensor, freqs: Tensor, cache: KVCache, mask: Tensor | None) -> Tensor:
+    def forward(self, x: Tensor, freqs: Tensor, cache: KVCache, mask: Tensor | None,
+                slots: Tensor | None = None) -> Tensor:
+        """slots (T,): static-shape mode (engine/static_step.py): write K/V at these cache slots and
+        attend over every slot of the cache under `mask` (B, 1, T, S_max)."""
         B, T, _ = x.shape
         H, Hkv, D = self.n_heads, self.n_kv, self.head_dim
         qk, v = self.wqkv(x).split([(H + Hkv) * D, Hkv * D], dim=-1)
-        qk = apply_rope(qk.view(B, T, H + Hkv, D), freqs).transpose(1, 2)  # (B, H + Hkv, T, D)
+        rotate = apply_rope if slots is None else apply_rope_real
+        qk = rotate(qk.view(B, T, H + Hkv, D), freqs).transpose(1, 2)  # (B, H + Hkv, T, D)
         q, k = qk.split([H, Hkv], dim=1)  # (B, H, T, D), (B, Hkv, T, D)
         v = v.view(B, T, Hkv, D).transpose(1, 2)
-        keys, values = cache.write(self.layer, k, v)  # (B, Hkv, S, D), S = filled + T
+        if slots is None:
+            keys, values = cache.write(self.layer, k, v)  # (B, Hkv, S, D), S = filled + T
+        else:
+            keys, values = cache.write_at(self.layer, k, v, slots)  # (B, Hkv, S_max, D)
         y = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=H != Hkv)
         return self.wo(y.transpose(1, 2).reshape(B, T, H * D))
 
@@ -151,9 +167,19 @@ class Block(nn.Module):
         self.mlp_norm = RMSNorm(args.dim, args.norm_eps)
         self.mlp = MLP(args)
 
-    def forward(self, x: Tensor, freqs: Tensor, cache: KVCache, mask: Tensor | None) -> Tensor:
-        x = x + self.attn(self.attn_norm(x), freqs, cache, mask)
+    def forward(self, x: Tensor, freqs: Tensor, cache: KVCache, mask: Tensor | None,
+                slots: Tensor | None = None) -> Tensor:
+        x = x + self.attn(self.attn_norm(x), freqs, cache, mask, slots)
         return x + self.mlp(self.mlp_norm(x))
+
+
+def static_mask(slots: Tensor, tree: Tensor, size: int) -> Tensor:
+    """(1, 1, T, size) bool over every cache slot: the cached ones (before slots[0]) and, within the
+    new block, what `tree` (T, T) allows. Built on the device from tensors alone (no host lengths)."""
+    T = tree.shape[0]
+    rel = torch.arange(size, device=slots.device) - slots[:1]  # (size,) slot index relative to the block
+    inside = (rel >= 0) & (rel < T)
+    return ((rel < 0) | (tree[:, rel.clamp(0, T - 1)] & inside))[None, None]
 
 
 class WholePass(Protocol):
@@ -214,6 +240,28 @@ class Llama(nn.Module):
         freqs = self.rope(positions)
         for block in self.layers:
             x = block(x, freqs, cache, mask)
+        return self.norm(x)
+
+    def forward_static(self, tokens: Tensor, positions: Tensor, slots: Tensor, tree: Tensor,
+                       cache: KVCache) -> tuple[Tensor, Tensor]:
+        """The step `torch.compile` captures: every shape fixed by the token bucket T and the cache size.
+
+        tokens, positions (1, T); slots (T,) the cache slots the new K/V go to, slots[0] being the number
+        of cached tokens; tree (T, T) which new tokens each new token sees. Nothing here reads a host
+        integer that changes between steps, so one compiled graph (one CUDA graph) serves every step
+        of a bucket. Returns logits (1, T, V) and final-norm hidden states (1, T, dim).
+        """
+        x = self.embed(tokens)  # (1, T, dim)
+        h = self.layers_static(x, positions, slots, tree, cache)
+        return self.lm_head(h), h
+
+    def layers_static(self, x: Tensor, positions: Tensor, slots: Tensor, tree: Tensor, cache: KVCache) -> Tensor:
+        """The layers and the final norm in static-shape mode (see forward_static) -> (1, T, dim)."""
+        mask = static_mask(slots, tree, cache.k.shape[3])
+        angles = positions[..., None, None].float() * self.inv_freq  # (1, T, 1, D/2)
+        freqs = torch.stack([angles.cos(), angles.sin()], -1)  # (1, T, 1, D/2, 2)
+        for block in self.layers:
+            x = block(x, freqs, cache, mask, slots)
         return self.norm(x)
 
     def load_hf_state_dict(self, sd: dict[str, Tensor]) -> None:

@@ -8,7 +8,6 @@ target cache, so every method is measured with the same engine and the same toke
 from __future__ import annotations
 
 import contextlib
-import time
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -17,9 +16,10 @@ from typing import Any, Protocol
 import torch
 
 from specdec.engine.engine import Engine, ForwardOut, HFEngine, StaticEngine
-from specdec.engine.sampling import SamplingParams, argmax_id, check_finite, new_generator, sample, warp
+from specdec.engine.sampling import SamplingParams, check_finite, new_generator, read_greedy, sample, warp
+from specdec.engine.timing import SpanTimer, clock
 from specdec.models.loader import LoadedModel
-from specdec.trees import tree_depth, tree_mask
+from specdec.trees import depth_list, tree_depth, tree_mask
 from specdec.verify import Proposal, Verdict, verify
 
 
@@ -108,8 +108,9 @@ def torch_threads(n: int | None) -> Iterator[None]:
 
 
 def make_engine(target: LoadedModel, max_len: int, prefill_chunk: int) -> Engine:
-    cls = StaticEngine if target.backend == "compact" else HFEngine
-    return cls(target.model, max_len, prefill_chunk)
+    if target.backend == "compact":
+        return StaticEngine(target.model, max_len, prefill_chunk, compile=target.compile)
+    return HFEngine(target.model, max_len, prefill_chunk)
 
 
 class SpeculativeStrategy(Strategy):
@@ -129,30 +130,33 @@ class SpeculativeStrategy(Strategy):
             return self._generate(prompt_ids, params, seed)
 
     def _pick(self, logits: torch.Tensor, state: DecodeState) -> int:
+        """The target's token after logits (V,): at temperature 0 one read that also checks finiteness."""
         sp = state.params.sampling
         if sp.greedy:
-            return argmax_id(logits)
+            return read_greedy(logits[None])[0][0]
+        check_finite(logits)
         return sample(warp(logits, sp), state.generator)
 
     def _generate(self, prompt_ids: list[int], params: GenerationParams, seed: int) -> TurnResult:
         gen = None if params.sampling.greedy else new_generator(self.engine.device, seed)
-        start = time.perf_counter()
+        device = self.engine.device
+        start = clock(device)
         out = self.engine.prefill(prompt_ids)
-        check_finite(out.logits)
         state = DecodeState(list(prompt_ids), len(prompt_ids), params, gen)
         state.ids.append(self._pick(out.logits[-1], state))
-        ttft = time.perf_counter() - start
+        ttft = clock(device) - start
         result = TurnResult([], ttft, 0.0, 0, [1])
         proposer = self.make_proposer()
+        drafting = SpanTimer(device)  # device time of proposing, for the measured cost ratio
         tokenizer = self.target.tokenizer
         done = stop_cut(tokenizer, state.ids, state.prompt_len, state.prompt_len, params.stop) is not None
         done = done or self._finished(state)
         if proposer is not None and not done:
             proposer.start(state, out)
         while not done:
-            t0 = time.perf_counter()
+            drafting.start()
             proposal = proposer.propose(state) if proposer is not None else None
-            result.draft_time_s += time.perf_counter() - t0
+            drafting.stop()
             verdict, out = self._step(state, proposal)
             result.decode_steps = (result.decode_steps or 0) + 1
             budget = params.max_new_tokens - state.output_len
@@ -174,25 +178,32 @@ class SpeculativeStrategy(Strategy):
             if proposer is not None and not done:
                 proposer.commit(state, verdict, out)
         result.output_ids = state.ids[state.prompt_len:]
-        result.wall_time_s = time.perf_counter() - start
+        result.wall_time_s = clock(device) - start
+        result.draft_time_s = drafting.total()
         return result
 
     def _step(self, state: DecodeState, proposal: Proposal | None) -> tuple[Verdict, ForwardOut]:
+        """One target pass over the root and the proposal, verified and committed to the cache.
+
+        At temperature 0 the host reads the device once (read_greedy: the target's choices with the
+        proposal's tokens); everything else it needs (lengths, parents, the accepted path) it holds.
+        """
         root = torch.tensor([state.ids[-1]])
         base = self.engine.length
         if proposal is None or len(proposal.tokens) == 0:
             out = self.engine.forward(root)
-            check_finite(out.logits)
             verdict = Verdict([], [self._pick(out.logits[-1], state)])
         else:
-            feed = torch.cat([root, proposal.tokens.cpu()])
+            tokens = proposal.tokens
+            feed = torch.cat([root.to(tokens.device), tokens])
             if proposal.is_chain and proposal.mask is None:
                 mask, depth = None, None
             else:
                 mask = proposal.mask if proposal.mask is not None else tree_mask(proposal.parents)
                 depth = proposal.depth if proposal.depth is not None else tree_depth(proposal.parents)
             out = self.engine.forward(feed, depth, mask)
-            check_finite(out.logits)
+            if not state.params.sampling.greedy:
+                check_finite(out.logits)
             verdict = self.accept(proposal, out.logits, state)
         keep = [0, *verdict.nodes]
         if keep == list(range(len(keep))):
@@ -207,8 +218,8 @@ class SpeculativeStrategy(Strategy):
 
     @staticmethod
     def _count(result: TurnResult, proposal: Proposal, verdict: Verdict) -> None:
-        depth = tree_depth([p if p >= 0 else 0 for p in proposal.parents])
-        verified = [d for d, p in zip(depth[1:].tolist(), proposal.parents) if p >= 0]
+        depth = depth_list([p if p >= 0 else 0 for p in proposal.parents])
+        verified = [d for d, p in zip(depth[1:], proposal.parents) if p >= 0]
         longest = max(verified, default=0)
         result.proposed += longest
         result.accepted += len(verdict.nodes)

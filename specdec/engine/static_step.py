@@ -1,0 +1,115 @@
+"""A compiled, static-shape target step: what lets a GPU decode without launch and host overhead.
+
+Eager decoding slices the cache with host integers, so every step has new shapes and pays one
+kernel launch per op. Here every step has one of a few shapes: the new tokens are padded to a
+bucket (1, 2, 4, ..., 64), their K/V are written in place at slots held in a device tensor, and
+attention runs over the whole cache under a mask built on the device. `torch.compile` then traces
+one graph per bucket; with `mode="reduce-overhead"` on CUDA each replays as a CUDA graph.
+
+Padding is harmless: padded tokens sit after the real ones, no real token's mask admits them, and
+their K/V land in slots past the committed length, which the next step overwrites. The cache keeps
+`BUCKETS[-1]` spare slots so that a padded step never writes past its end.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import Tensor
+
+from specdec.engine.kv_cache import KVCache
+
+BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+
+
+def bucket(n: int) -> int:
+    """The smallest bucket holding n tokens (n <= BUCKETS[-1])."""
+    return next(b for b in BUCKETS if b >= n)
+
+
+def compile_mode(device: torch.device) -> str | None:
+    """CUDA graphs on a GPU (each bucket's graph replayed with one launch); inductor's default elsewhere."""
+    return "reduce-overhead" if device.type == "cuda" else None
+
+
+class CacheView:
+    """K/V buffers (L, B, H_kv, S, D) as the static-shape layers write and read them. Made inside the
+    compiled step from its tensor inputs, so that one compiled function serves every cache of a model."""
+
+    def __init__(self, k: Tensor, v: Tensor) -> None:
+        self.k, self.v = k, v
+
+    def write_at(self, layer: int, k: Tensor, v: Tensor, slots: Tensor) -> tuple[Tensor, Tensor]:
+        self.k[layer].index_copy_(2, slots, k)
+        self.v[layer].index_copy_(2, slots, v)
+        return self.k[layer], self.v[layer]
+
+
+def compiled_step(model: torch.nn.Module, compile: bool) -> Callable[..., tuple[Tensor, Tensor]]:
+    """model.forward_static over (tokens, positions, slots, tree, k, v), compiled once per model (kept
+    on it): every engine and strategy over the same model replays the same graphs."""
+    key = "_static_step_compiled" if compile else "_static_step_eager"
+    fn = model.__dict__.get(key)
+    if fn is None:
+        def step(tokens: Tensor, positions: Tensor, slots: Tensor, tree: Tensor,
+                 k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+            return model.forward_static(tokens, positions, slots, tree, CacheView(k, v))  # type: ignore[operator]
+
+        device = next(model.parameters()).device
+        # one traced graph per bucket and cache size, for the target and each drafter, all of this one
+        # function: dynamo's default of 8 per function would silently drop the rest back to eager
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 128)
+        torch._dynamo.config.accumulated_recompile_limit = max(
+            torch._dynamo.config.accumulated_recompile_limit, 1024)
+        fn = torch.compile(step, mode=compile_mode(device), fullgraph=True, dynamic=False) if compile else step
+        model.__dict__[key] = fn
+    return fn
+
+
+class StaticStep:
+    """Runs `model.forward_static` (or any function of its signature) at bucketed, static shapes.
+
+    `__call__(tokens, depth, mask, length)` takes what `StaticEngine.forward` takes plus the number of
+    cached tokens, and returns logits (T, V) and hidden states (T, dim) for the T real tokens.
+    """
+
+    def __init__(self, model: torch.nn.Module, cache: KVCache, compile: bool = True) -> None:
+        self.cache = cache
+        self.device = cache.k.device
+        self.size = cache.k.shape[3]
+        if compile and self.device.type == "cuda":
+            # cudagraphs may only mutate inputs whose address never changes: the cache's buffers
+            torch._dynamo.mark_static_address(cache.k)
+            torch._dynamo.mark_static_address(cache.v)
+        self.step = compiled_step(model, compile)
+        self.compiled = compile
+        self._arange = torch.arange(self.size, device=self.device)
+        self._tril = {b: torch.ones(b, b, dtype=torch.bool, device=self.device).tril() for b in BUCKETS}
+
+    def __call__(self, tokens: Tensor, depth: Tensor | None, mask: Tensor | None,
+                 length: int) -> tuple[Tensor, Tensor]:
+        T = len(tokens)
+        B = bucket(T)
+        toks = torch.nn.functional.pad(tokens.to(self.device), (0, B - T))  # (B,)
+        slots = self._arange[length:length + B].clone()  # (B,) on the device: no host-to-device copy
+        if depth is None:
+            positions = slots
+        else:  # padded tokens take the positions after the block's; nothing sees them
+            positions = torch.cat([length + depth.to(self.device), slots[T:]])
+        if mask is None:
+            tree = self._tril[B]
+        else:
+            tree = self._tril[B] & torch.eye(B, dtype=torch.bool, device=self.device)
+            tree[:T, :T] = mask.to(self.device, torch.bool)
+        logits, hidden = self.step(toks[None], positions[None], slots, tree, self.cache.k, self.cache.v)
+        # cudagraph outputs live in buffers the next replay overwrites; keep copies of the real rows
+        return logits[0, :T].float().clone(), hidden[0, :T].clone()
+
+    def warm_up(self, sizes: tuple[int, ...] = BUCKETS) -> None:
+        """Trace (and capture) every bucket now, so that no decode step pays for compilation.
+        Writes only past the committed length, which stays as it was."""
+        length = self.cache.lengths[0]
+        for b in sizes:
+            if length + b <= self.size:
+                self(torch.zeros(b, dtype=torch.long, device=self.device), None, None, length)
