@@ -87,6 +87,7 @@ class StaticStep:
         self._arange = torch.arange(self.size, device=self.device)
         self._tril = {b: torch.ones(b, b, dtype=torch.bool, device=self.device).tril() for b in BUCKETS}
 
+    @torch.inference_mode()  # grad mode is part of what a compiled graph is guarded on
     def __call__(self, tokens: Tensor, depth: Tensor | None, mask: Tensor | None,
                  length: int) -> tuple[Tensor, Tensor]:
         T = len(tokens)
