@@ -1,6 +1,11 @@
-"""Self-distillation data: prompts built like the offline suite (never its benchmark questions), optionally
-general chat instructions (`heads/instruction_prompts.py`), and the target's own greedy continuations,
-generated in left-padded batches (specdec's compact model, else transformers).
+"""Self-distillation data: prompts built like the offline suite, optionally general chat instructions
+(`heads/instruction_prompts.py`), and the target's own greedy continuations, generated in left-padded
+batches (specdec's compact model, else transformers).
+
+No prompt shares a 13-word n-gram with an evaluation question shipped in the repository (the default
+suite, experiments/data/*.jsonl; heads/contamination.py): the suite's passages are shared between its
+categories, so a prompt built on an evaluation question's passage under another template is dropped,
+and the builder checks its output before returning it.
 
 The result is a `datasets.Dataset` with `input_ids` (prompt + continuation), `labels` (the next
 token at every position, -100 over the prompt and the last position) and `prompt_len`, cached with
@@ -25,6 +30,7 @@ import numpy as np
 import torch
 
 from heads.batch_generate import generate_with_hidden
+from heads.contamination import EvalIndex, check_clean, evaluation_turns
 from heads.instruction_prompts import instruction_prompts
 from specdec.data import default_suite
 from specdec.errors import SpecdecError
@@ -37,27 +43,31 @@ VERSION = 2  # bump when the format or the generation changes
 
 def distill_prompts(per_category: int, seeds: list[int], exclude_per_category: int, exclude_seed: int,
                     max_prompts: int | None = None, instructions: int = 0) -> list[str]:
-    """First turns of default_suite(per_category, seed) for each seed, minus every turn of the
-    benchmark suite default_suite(exclude_per_category, exclude_seed), deduplicated, plus `instructions`
-    general chat instructions (none quoting a benchmark turn's text), all interleaved so that
-    `max_prompts` or a time budget keeps a mix."""
+    """First turns of default_suite(per_category, seed) for each seed, deduplicated, plus `instructions`
+    general chat instructions, all interleaved so that `max_prompts` or a time budget keeps a mix.
+
+    Held out: every prompt sharing a 13-word n-gram with a turn of default_suite(exclude_per_category,
+    exclude_seed) (which covers the benchmark's default_suite(10, 0)) or of experiments/data/*.jsonl is
+    left out; the result is checked again before it is returned."""
     if exclude_seed in seeds:
         raise SpecdecError(f"data.seeds={list(seeds)} includes the benchmark seed {exclude_seed}; use other seeds")
-    bench = {t for q in default_suite(per_category=exclude_per_category, seed=exclude_seed) for t in q.turns}
+    index = EvalIndex(evaluation_turns(exclude_per_category, exclude_seed))
     by_category: dict[str, list[str]] = defaultdict(list)
     seen: set[str] = set()
     for seed in seeds:
         for q in default_suite(per_category=per_category, seed=seed):
             first = q.turns[0]
-            if first not in bench and first not in seen:
+            if first not in seen and index.clean(first):
                 seen.add(first)
                 by_category[q.category].append(first)
     if instructions:
-        made = instruction_prompts(instructions, seed=seeds[0], exclude=bench)
+        made = instruction_prompts(instructions, seed=seeds[0], exclude=[t.text for t in index.turns])
         by_category["instructions"] = [p for p in made if p not in seen]
     lists = list(by_category.values())
     mixed = [lst[i] for i in range(max(map(len, lists), default=0)) for lst in lists if i < len(lst)]
-    return mixed[:max_prompts] if max_prompts else mixed
+    mixed = mixed[:max_prompts] if max_prompts else mixed
+    check_clean(mixed, index)
+    return mixed
 
 
 def greedy_continuations(target: LoadedModel, prompts: list[list[int]], max_new_tokens: int,

@@ -3,8 +3,9 @@
 Why: the offline benchmark suite draws on Python's documentation, HumanEval and arithmetic, so a
 drafter distilled on it alone sees little of what people ask a chat model (writing, role play,
 explanations, advice, reasoning, translation, extraction), and on such questions its agreement with
-the target halved. These prompts widen what the target's continuations cover. They share no text
-with any benchmark file: they are built here from the lists below and the stdlib's docstrings.
+the target halved. These prompts widen what the target's continuations cover. They are built here
+from the lists below and the stdlib's docstrings; the training-data builder passes the evaluation
+questions as `exclude`, so none it keeps shares a 13-word n-gram with one (heads/contamination.py).
 
 The kinds grew twice: first explanations, writing, role play, advice, comparisons, reasoning,
 translation, extraction and code; then (2026-12-01) summaries and questions over a passage,
@@ -240,11 +241,14 @@ def _fill(template: str, rng: random.Random, paragraphs: list[str]) -> str:
 
 
 def instruction_prompts(count: int, seed: int, exclude: Iterable[str] = ()) -> list[str]:
-    """`count` distinct instructions, kinds interleaved, reproducible from `seed`. Paragraphs found in
-    any text of `exclude` (the benchmark's turns) are never quoted."""
+    """`count` distinct instructions, kinds interleaved, reproducible from `seed`. No paragraph quoted and
+    no instruction made shares a 13-word n-gram with a text of `exclude` (the evaluation turns); with
+    nothing excluded the draw is the one earlier drafters were trained on."""
+    from heads.contamination import EvalIndex, EvalTurn
+
     rng = random.Random(f"specdec-instructions-{seed}")
-    excluded = list(exclude)
-    paragraphs = [p for p in docstring_paragraphs() if not any(p in text for text in excluded)]
+    index = EvalIndex(EvalTurn("excluded", str(i), 0, t) for i, t in enumerate(exclude))
+    paragraphs = [p for p in docstring_paragraphs() if index.clean(p)]
     kinds = sorted(TEMPLATES)
     found: list[str] = []
     seen: set[str] = set()
@@ -253,7 +257,7 @@ def instruction_prompts(count: int, seed: int, exclude: Iterable[str] = ()) -> l
             break
         kind = kinds[attempt % len(kinds)]
         prompt = _fill(rng.choice(TEMPLATES[kind]), rng, paragraphs)
-        if prompt not in seen:
+        if prompt not in seen and index.clean(prompt):
             seen.add(prompt)
             found.append(prompt)
     return found

@@ -32,6 +32,8 @@ def strategy_metrics(rows: list[Row]) -> dict[str, Any]:
     tokens = sum(r["new_tokens"] for r in rows)
     wall = sum(r["wall_time_s"] for r in rows)
     accs = [a for r in rows if r.get("accept_lengths") is not None for a in r["accept_lengths"]]
+    # every turn's first entry is its prefill (always 1): the histogram counts decode passes only
+    passes = [a for r in rows if r.get("accept_lengths") is not None for a in r["accept_lengths"][1:]]
     proposed = sum(r.get("proposed_tokens") or 0 for r in rows)
     accepted = sum(r.get("accepted_tokens") or 0 for r in rows)
     tpots = [(r["wall_time_s"] - r["ttft_s"]) / (r["new_tokens"] - 1) for r in rows if r["new_tokens"] > 1]
@@ -53,6 +55,10 @@ def strategy_metrics(rows: list[Row]) -> dict[str, Any]:
         "speedup": None,  # filled in against the baseline
         "mean_accepted_tokens": statistics.fmean(accs) if accs else None,
         "acceptance_rate": accepted / proposed if proposed else None,
+        # alpha for trees, named: over the longest verified path of each step (= acceptance_rate), and
+        # over every verified draft node (None until the rows carry proposed_nodes); equal for chains
+        "alpha_longest_path": accepted / proposed if proposed else None,
+        "alpha_per_node": _per_node(rows, accepted),
         "ttft_s": statistics.fmean(ttfts) if ttfts else 0.0,
         "tpot_s": statistics.fmean(tpots) if tpots else 0.0,
         "new_tokens": tokens,
@@ -63,10 +69,20 @@ def strategy_metrics(rows: list[Row]) -> dict[str, Any]:
         "step_time_s": decode_time / steps if steps else None,  # mean time of one decode step
         "draft_time_share": draft_time / decode_time if decode_time > 0 else None,
         "acceptance_by_position": [a / p for a, p in zip(by_pos_a, by_pos_p)] if by_pos_p else None,
-        "accept_length_histogram": dict(sorted(Counter(accs[1:] if accs else []).items())) or None,
+        "accept_length_histogram": dict(sorted(Counter(passes).items())) or None,
         "ttft_distribution": _percentiles(ttfts),
         "tpot_distribution": _percentiles(tpots),
     } | _draft_model_metrics(proposed, by_pos_p, by_pos_a, steps, draft_time, decode_time)
+
+
+def _per_node(rows: list[Row], accepted: int) -> float | None:
+    """Accepted draft tokens over every draft node verified (all of a tree's nodes, not one path)."""
+    drafting = [r for r in rows if r.get("proposed_tokens")]
+    # a tree has at least as many nodes as its longest path: a row without a count says nothing
+    if not drafting or any(not r.get("proposed_nodes") for r in drafting):
+        return None
+    nodes = sum(r["proposed_nodes"] for r in drafting)
+    return accepted / nodes if nodes else None
 
 
 def _draft_model_metrics(proposed: int, by_pos_p: list[int], by_pos_a: list[int], steps: int, draft_time: float,
@@ -121,6 +137,8 @@ def summarize(rows: Iterable[Row], baseline: str, temperature: float, order: lis
         if temperature == 0 and base is not None:
             s["matches_baseline"] = _matches(by_strategy[name], by_strategy[baseline])
         s["predicted_speedup"] = _predicted(s, base)
+        s["speedup_ci"] = ([1.0, 1.0] if name == baseline else
+                           speedup_ci(by_strategy[name], by_strategy[baseline], s["speedup"]) if base else None)
     return {"baseline": baseline, "strategies": out, "config": config or {}}
 
 
@@ -165,3 +183,62 @@ def add_speedup_ci(summary: dict[str, Any]) -> None:
             ratios = [a / b for a, b in zip(reps["tokens_per_s"], base["tokens_per_s"])]
             reps["speedup_mean"] = statistics.fmean(ratios)
             reps["speedup_ci95"] = _ci95(ratios)
+
+
+def speedup_ci(rows: list[Row], base_rows: list[Row], point: float | None, level: float = 0.95,
+               samples: int = 2000, seed: int = 0) -> list[float] | None:
+    """A `level` interval for speedup from a paired bootstrap over questions (fixed seed: reproducible).
+
+    Each question contributes its tokens and wall time under both strategies (repeats pooled; zeros where
+    one of them has no answer), and a resample recomputes speedup = (tokens/wall) / (base tokens/base wall)
+    over the drawn questions, so the whole sample gives exactly `point`. Percentile interval, widened to
+    hold `point` in the rare resample sets where the ratio's skew would leave it just outside.
+    """
+    import numpy as np
+
+    if point is None:
+        return None
+    units: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0, 0.0, 0.0])
+    for r in rows:
+        u = units[str(r["question_id"])]
+        u[0] += r["new_tokens"]
+        u[1] += r["wall_time_s"]
+    for r in base_rows:
+        u = units[str(r["question_id"])]
+        u[2] += r["new_tokens"]
+        u[3] += r["wall_time_s"]
+    values = np.array(list(units.values()), dtype=np.float64)
+    n = len(values)
+    if n < 2:
+        return [point, point]
+    rng = np.random.default_rng(seed)
+    weights = rng.multinomial(n, np.full(n, 1.0 / n), size=samples).astype(np.float64)
+    tok, wall, btok, bwall = (weights @ values).T
+    with np.errstate(divide="ignore", invalid="ignore"):
+        ratio = (tok / wall) / (btok / bwall)
+    ratio = ratio[np.isfinite(ratio)]
+    if ratio.size == 0:
+        return [point, point]
+    lo, hi = np.quantile(ratio, [(1 - level) / 2, (1 + level) / 2])
+    return [min(float(lo), point), max(float(hi), point)]
+
+
+def lossless(config: dict[str, Any] | None, temperature: float) -> bool:
+    """Whether a strategy's output is exactly the target's: always at temperature 0 (greedy match), and above
+    it unless an acceptance rule other than the exact one is configured anywhere in the strategy's config
+    (Medusa's `acceptance: typical`, also inside a hybrid's `inner`). An unknown config above temperature 0
+    is not claimed exact."""
+    if temperature == 0:
+        return True
+    if config is None:
+        return False
+    return all(str(rule) == "exact" for rule in _values_of(config, "acceptance"))
+
+
+def _values_of(node: Any, key: str) -> list[Any]:
+    if isinstance(node, dict):
+        found = [v for k, v in node.items() if k == key and not isinstance(v, dict | list)]
+        return found + [x for v in node.values() for x in _values_of(v, key)]
+    if isinstance(node, list):
+        return [x for v in node for x in _values_of(v, key)]
+    return []

