@@ -68,8 +68,8 @@ def target_head(target: LoadedModel) -> Tensor:
 def fingerprint(target: LoadedModel) -> list[int]:
     """Which dimension dominates each of a few embedding rows: identifies the weights across dtypes."""
     emb = target_embedding(target)
-    rows = torch.linspace(0, emb.shape[0] - 1, FINGERPRINT_ROWS).long()
-    return [int(i) for i in emb.detach()[rows.to(emb.device)].float().abs().argmax(-1).tolist()]
+    rows = torch.linspace(0, emb.shape[0] - 1, FINGERPRINT_ROWS, device=emb.device).long()
+    return [int(i) for i in emb.detach()[rows].float().abs().argmax(-1).tolist()]
 
 
 def check_drafter_meta(meta: dict[str, Any], target: LoadedModel, what: str, fix: str) -> None:
@@ -342,19 +342,20 @@ class DraftTrainable:
         self.target, self.source_layers = target, source
         self.hf_config = draft_hf_config(target, self.layers, source)
         V = target.vocab_size
-        self.kept_ids = pick_vocab(data, V, self.kept_vocab, list(target.eos_ids))
-        self.to_kept = torch.full((V,), -1, dtype=torch.long)
-        self.to_kept[self.kept_ids] = torch.arange(len(self.kept_ids))
+        embed = target_embedding(target).detach().float()
+        # the id maps on the target's device, where the loss meets them (saved from a host copy)
+        self.kept_ids = pick_vocab(data, V, self.kept_vocab, list(target.eos_ids)).to(embed.device)
+        self.to_kept = torch.full((V,), -1, dtype=torch.long, device=embed.device)
+        self.to_kept[self.kept_ids] = torch.arange(len(self.kept_ids), device=embed.device)
         torch.manual_seed(0)
         body = AutoModel.from_config(self.hf_config, dtype=torch.float32)
-        embed = target_embedding(target).detach().float()
         body.embed_tokens.weight = nn.Parameter(embed, requires_grad=False)
         if source:
             missing, unexpected = body.load_state_dict(_target_layers(target, source), strict=False)
             if unexpected or any(k != "embed_tokens.weight" for k in missing):
                 raise SpecdecError(f"target layers {source} do not fit the draft (missing {missing[:2]}, unexpected "
                                    f"{unexpected[:2]}); set head.init_layers=null to start from random weights")
-        self.head = target_head(target).detach().float()[self.kept_ids.to(embed.device)].clone()  # (K, D)
+        self.head = target_head(target).detach().float()[self.kept_ids].clone()  # (K, D)
         return DraftTrainModule(body)
 
     def loss(self, module: nn.Module, batch: dict[str, Tensor],

@@ -158,10 +158,11 @@ class EagleTrainable:
         self.target = target
         self.args = eagle_args(target, self.layers)
         V = target.vocab_size
-        self.kept_ids = pick_vocab(data, V, self.kept_vocab, list(target.eos_ids))
-        self.to_kept = torch.full((V,), -1, dtype=torch.long)
-        self.to_kept[self.kept_ids] = torch.arange(len(self.kept_ids))
         embed = target_embedding(target).detach().float()
+        # the id maps on the target's device, where the loss meets them (saved from a host copy)
+        self.kept_ids = pick_vocab(data, V, self.kept_vocab, list(target.eos_ids)).to(embed.device)
+        self.to_kept = torch.full((V,), -1, dtype=torch.long, device=embed.device)
+        self.to_kept[self.kept_ids] = torch.arange(len(self.kept_ids), device=embed.device)
         torch.manual_seed(0)
         with torch.device("meta"):
             net = EagleNet(self.args, len(self.kept_ids))
@@ -172,7 +173,7 @@ class EagleTrainable:
             elif hasattr(m, "weight") and m.weight.dim() == 1:
                 nn.init.ones_(m.weight)
         net.embed.weight = nn.Parameter(embed, requires_grad=False)
-        head = target_head(target).detach().float()[self.kept_ids.to(embed.device)].clone()  # (K, D)
+        head = target_head(target).detach().float()[self.kept_ids].clone()  # (K, D)
         net.lm_head.weight = nn.Parameter(head, requires_grad=False)
         net.norm.weight.data.copy_(_final_norm_weight(target))
         net.inv_freq = rope_inv_freq(self.args).to(embed.device)

@@ -73,15 +73,21 @@ class MedusaConfig:
             raise SpecdecError("sequential Medusa heads chain from the root token; set root_input=true as well")
 
 
-def output_weight(target: LoadedModel) -> Tensor:
-    """(V, dim) float32 weight of the target's output head, whichever linear implementation holds it."""
+def head_weight(target: LoadedModel) -> Tensor:
+    """(V, dim) weight of the target's output head as the target holds it (its device and dtype, no copy),
+    whichever linear implementation holds it."""
     model = target.model
     head = model.lm_head if target.backend == "compact" else model.get_output_embeddings()
     weight = getattr(head, "weight", None)  # nn.Linear, or the CPU NumpyLinear / NumbaLinear replacing it
     if isinstance(weight, Tensor):
-        return weight.detach().float()
+        return weight.detach()
     raise SpecdecError(f"cannot read the output head of {target.name} ({type(head).__name__}); "
                        "use a Llama-family model on model.backend=compact")
+
+
+def output_weight(target: LoadedModel) -> Tensor:
+    """(V, dim) float32 weight of the target's output head, on the target's device."""
+    return head_weight(target).float()
 
 
 def fingerprint(weight: Tensor) -> str:
@@ -101,9 +107,9 @@ def kept_vocab(token_ids: Iterable[int], n: int, vocab_size: int) -> Tensor:
 
 
 class ResBlock(nn.Module):
-    def __init__(self, dim: int) -> None:
+    def __init__(self, dim: int, device: torch.device | None = None) -> None:
         super().__init__()
-        self.linear = nn.Linear(dim, dim)
+        self.linear = nn.Linear(dim, dim, device=device)
         # Zero init makes a fresh block the identity, so every head starts as the target's own head.
         nn.init.zeros_(self.linear.weight)
         nn.init.zeros_(self.linear.bias)
@@ -114,7 +120,11 @@ class ResBlock(nn.Module):
 
 
 class MedusaHeads(nn.Module):
-    """K heads; `forward` gives all heads' logits over the kept vocabulary in one projection."""
+    """K heads; `forward` gives all heads' logits over the kept vocabulary in one projection.
+
+    Built in float32 on `base_weight`'s device (the target's: training runs there), every tensor there;
+    `_for_inference` gives them the target's dtype too.
+    """
 
     def __init__(self, cfg: MedusaConfig, base_weight: Tensor, kept_ids: Tensor | None = None) -> None:
         super().__init__()
@@ -125,18 +135,20 @@ class MedusaHeads(nn.Module):
                                f"(vocab {cfg.vocab_size}, hidden {cfg.hidden_size})")
         if kept_ids is not None and (kept_ids.ndim != 1 or len(kept_ids) != cfg.head_vocab):
             raise ValueError(f"kept_ids must be ({cfg.head_vocab},), got {tuple(kept_ids.shape)}")
+        dev = base_weight.device
         # Distinct blocks per head and per layer: never one module repeated.
-        self.blocks = nn.ModuleList(nn.Sequential(*(ResBlock(dim) for _ in range(cfg.num_layers)))
+        self.blocks = nn.ModuleList(nn.Sequential(*(ResBlock(dim, dev) for _ in range(cfg.num_layers)))
                                     for _ in range(cfg.num_heads))
-        kept = kept_ids if kept_ids is not None else torch.arange(V)
+        kept = kept_ids.to(dev) if kept_ids is not None else torch.arange(V, device=dev)
         self.register_buffer("kept_ids", kept.long().clone())
         # full id -> row of the kept vocabulary, -100 (cross-entropy's ignore index) when dropped
-        to_head = torch.full((V,), -100, dtype=torch.long)
-        to_head[self.kept_ids] = torch.arange(len(kept))
+        to_head = torch.full((V,), -100, dtype=torch.long, device=dev)
+        to_head[self.kept_ids] = torch.arange(len(kept), device=dev)
         self.register_buffer("to_head", to_head, persistent=False)
         self.root_in: nn.Parameter | None = None
         if cfg.root_input:
-            self.root_in = nn.Parameter(torch.zeros(cfg.num_heads, dim, dim))  # (K, dim, dim): U of each head
+            # (K, dim, dim): U of each head
+            self.root_in = nn.Parameter(torch.zeros(cfg.num_heads, dim, dim, device=dev))
             # (V, dim) frozen rows that stand for the root token, over the full vocabulary
             self.register_buffer("root_rows", base_weight.detach().float(), persistent=False)  # no copy in fp32
         w = base_weight.detach().float()[self.kept_ids].contiguous()  # (V', dim)
@@ -213,10 +225,10 @@ class MedusaHeads(nn.Module):
             raise ValueError("these Medusa heads read the root token (root_input); pass root")
         return self.root_rows[root]
 
-    def features(self, hidden: Tensor, root: Tensor | None = None, depth: int | None = None,
+    def features(self, hidden: Tensor, root: Tensor | int | None = None, depth: int | None = None,
                  path: Tensor | None = None) -> Tensor:
-        """(..., dim) states, (...,) root ids when the heads read them -> (..., d, dim): the first d heads'
-        residual stacks (all K by default). `path` is ignored: these heads guess independently."""
+        """(..., dim) states, (...,) root ids (or one id) when the heads read them -> (..., d, dim): the first
+        d heads' residual stacks (all K by default). `path` is ignored: these heads guess independently."""
         d = self.num_heads if depth is None else depth
         extra = None
         if self.root_in is not None:
@@ -248,9 +260,9 @@ class MedusaHeads(nn.Module):
         return x @ w.t()
 
     def forward(self, hidden: Tensor, root: Tensor | None = None, path: Tensor | None = None) -> Tensor:
-        """(..., dim) states -> (..., K, V') logits. `path` (..., K - 1): the tokens after the root, which
-        only sequential heads read (heads/medusa_sequential.py)."""
-        x = self.features(hidden, root, path=path)  # (..., K, dim)
+        """(..., dim) states (any float dtype: run in the heads') -> (..., K, V') logits. `path` (..., K - 1):
+        the tokens after the root, which only sequential heads read (heads/medusa_sequential.py)."""
+        x = self.features(hidden.to(self.proj.dtype), root, path=path)  # (..., K, dim)
         if self.proj.ndim == 3:
             return torch.einsum("...kd,kvd->...kv", x, self.proj)  # (..., K, V')
         return x @ self.proj.t()  # (..., K, V'): every head in one matmul
@@ -260,8 +272,8 @@ class MedusaHeads(nn.Module):
         d = self.num_heads if depth is None else depth
         if self.block_panels is not None:
             x = torch.from_numpy(self._cpu_features(hidden, d, root))  # (d, dim)
-        else:
-            x = self.features(hidden.float(), None if root is None else torch.tensor(root), d)  # (d, dim)
+        else:  # in the heads' dtype, the root as a plain index: nothing made on the host
+            x = self.features(hidden.to(self.proj.dtype), root, d)  # (d, dim)
         if self.proj.ndim == 3:
             return torch.bmm(self.proj[:d], x[:, :, None])[..., 0]  # (d, V')
         if self.proj_panels is not None:
@@ -358,6 +370,11 @@ def load_heads(target: LoadedModel, path: str | Path, weights: str = "fp32",
 
 def _for_inference(heads: MedusaHeads, target: LoadedModel, weights: str = "fp32",
                    block_weights: str = "fp32") -> MedusaHeads:
+    """Frozen, on the target's device and in its dtype (every step meets the target's hidden state there),
+    then, on the CPU kernels, with `weights` / `block_weights` copies for them."""
+    if heads.root_in is not None:  # the root's rows are the target's own head: shared, not a copy
+        heads.root_rows = head_weight(target)
+    heads.to(device=target.device, dtype=target.dtype)
     heads.eval().requires_grad_(False)
     if target.matmul == "numba":
         heads.use_cpu_kernels(weights, block_weights)
@@ -371,15 +388,17 @@ def medusa_heads(target: LoadedModel, path: str | None = None, num_heads: int = 
     """Strategy config entry (`strategy.heads`): trained heads from `path`, or untrained ones when path is null.
 
     Untrained heads start as copies of the target's own head (zero-initialised blocks); `seed` gives
-    them random blocks instead, which tests use to get wrong guesses on purpose. `weights` and
+    them random blocks instead, which tests use to get wrong guesses on purpose (drawn on the CPU, so
+    the same seed gives the same heads on every device). `weights` and
     `block_weights`: the CPU kernels' copies of the shared projection and of the blocks
     (`MedusaHeads.use_cpu_kernels`). `root_input`, `sequential`, `chain_head0`: `MedusaConfig`.
     """
     if path:
         return load_heads(target, path, weights, block_weights)
     cfg = new_config(target, num_heads, num_layers, projection, head_vocab, root_input, sequential, chain_head0)
-    kept = torch.arange(cfg.head_vocab) if cfg.head_vocab is not None else None
-    heads = heads_for(cfg, output_weight(target), kept)
+    weight = output_weight(target)
+    kept = torch.arange(cfg.head_vocab, device=weight.device) if cfg.head_vocab is not None else None
+    heads = heads_for(cfg, weight, kept)
     if seed is not None:
         gen = torch.Generator().manual_seed(seed)
         with torch.no_grad():

@@ -55,7 +55,7 @@ class SequentialMedusaHeads(MedusaHeads):
         super().__init__(cfg, base_weight, kept_ids)
         dim = cfg.hidden_size
         # (K - 1, dim, dim): P_k of heads 1..K-1; zero at first, so training starts from chained plain heads
-        self.path_in = nn.Parameter(torch.zeros(max(cfg.num_heads - 1, 0), dim, dim))
+        self.path_in = nn.Parameter(torch.zeros(max(cfg.num_heads - 1, 0), dim, dim, device=base_weight.device))
         # per head, per layer: (panels, bias, tile kernels) for the CPU kernels
         self.head_panels: list[list[tuple[np.ndarray, np.ndarray, np.ndarray]]] | None = None
         self._proj_tiles: np.ndarray | None = None
@@ -78,7 +78,7 @@ class SequentialMedusaHeads(MedusaHeads):
             x = block(x, extra if i == 0 else None)
         return x
 
-    def features(self, hidden: Tensor, root: Tensor | None = None, depth: int | None = None,
+    def features(self, hidden: Tensor, root: Tensor | int | None = None, depth: int | None = None,
                  path: Tensor | None = None) -> Tensor:
         """(..., dim) states, (...,) root ids and (..., K - 1) path ids (tokens t + 2 .., default: each head's
         own top guess) -> (..., d, dim)."""
@@ -169,7 +169,7 @@ class SequentialMedusaHeads(MedusaHeads):
     def tree_start(self, hidden: Tensor, root: int, width: int) -> tuple[PathNode, Tensor, Tensor]:
         """The root's node and head 0's top-`width` guesses for its children: (width,) ids, (width,) log-probs."""
         e_root = self._root_row(root)
-        h = hidden.detach().float()
+        h = hidden.detach().to(self.proj.dtype)
         node = PathNode(self._node_features(0, h, e_root, None), 0, e_root, h)
         return (node, *self._top(node.features, 0, width))
 
@@ -186,7 +186,7 @@ class SequentialMedusaHeads(MedusaHeads):
         """(dim,) -> (d, V'): each head after the top-1 path of the heads before it."""
         d = self.num_heads if depth is None else depth
         e_root = self._root_row(root)
-        h = hidden.detach().float()
+        h = hidden.detach().to(self.proj.dtype)
         x = self._node_features(0, h, e_root, None)
         rows = [self._project(x, 0)]
         for k in range(1, d):

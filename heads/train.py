@@ -364,8 +364,9 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     assert isinstance(data_cfg, dict)
     data_cfg["seeds"] = tuple(data_cfg["seeds"])
     gen_dtype = data_cfg.pop("dtype", None) or str(cfg.model.dtype)
-    if gen_dtype not in DTYPES:
-        raise SpecdecError(f"unknown data.dtype {gen_dtype!r}; use null (the target's) or one of {', '.join(DTYPES)}")
+    if gen_dtype not in (*DTYPES, "auto"):
+        raise SpecdecError(f"unknown data.dtype {gen_dtype!r}; use null (the target's), auto or one of "
+                           f"{', '.join(DTYPES)}")
     with accelerator.main_process_first():
         # The data may be generated at a lower precision than the target trains against: on CPUs with
         # AMX, bf16 GEMMs run far faster than fp32, and an occasional near-tie flipped in a continuation

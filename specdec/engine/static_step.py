@@ -41,8 +41,11 @@ class CacheView:
         self.k, self.v = k, v
 
     def write_at(self, layer: int, k: Tensor, v: Tensor, slots: Tensor) -> tuple[Tensor, Tensor]:
-        self.k[layer].index_copy_(2, slots, k)
-        self.v[layer].index_copy_(2, slots, v)
+        # index the whole buffer, not a layer's view of it: a write through a view is functionalised
+        # into a copy of the entire cache, a write into the graph input itself is done in place
+        at = [torch.tensor([layer], device=slots.device), None, None, slots]
+        torch.ops.aten.index_put_(self.k, at, k.permute(2, 0, 1, 3))  # values (T, B, H_kv, D)
+        torch.ops.aten.index_put_(self.v, at, v.permute(2, 0, 1, 3))
         return self.k[layer], self.v[layer]
 
 

@@ -15,10 +15,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import torch
-
 from specdec.engine.engine import ForwardOut
-from specdec.ngram import NGramIndex, lookup, match_length
+from specdec.ngram import NGramIndex, as_tokens, lookup, match_length
 from specdec.strategies.base import DecodeState, Proposer
 from specdec.strategies.prompt_lookup import expected_kept
 from specdec.verify import Proposal, Verdict
@@ -102,7 +100,7 @@ class CopyBranch:
                 child[(node, tok)] = nxt
             node = nxt
             self._nodes.append(node)
-        return Proposal(torch.tensor(tokens, dtype=torch.long), parents)
+        return Proposal(as_tokens(tokens), parents)  # host ids, as the loop reads them
 
     def commit(self, state: DecodeState, verdict: Verdict, out: ForwardOut) -> None:
         self.steps += 1

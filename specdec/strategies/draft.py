@@ -28,6 +28,7 @@ from specdec.engine.kv_cache import KVCache
 from specdec.engine.sampling import sample, warp
 from specdec.errors import SpecdecError
 from specdec.models.loader import LoadedModel, check_same_tokenizer
+from specdec.ngram import as_tokens
 from specdec.strategies.base import DecodeState, Proposer, SpeculativeStrategy, make_engine
 from specdec.strategies.rate import RateMeter, SitOutGate
 from specdec.verify import Proposal, Verdict
@@ -78,6 +79,9 @@ class Drafter:
               prefill_chunk: int) -> Drafter:
         if isinstance(draft, LoadedModel):
             check_same_tokenizer(target, draft)
+            if draft.device != target.device:  # its q meets the target's p and the loop's generator
+                raise SpecdecError(f"draft {draft.name} is on {draft.device} but target {target.name} on "
+                                   f"{target.device}; give the draft the target's device (strategy.draft.device)")
             return cls(make_engine(draft, max_len, prefill_chunk), None, target.vocab_size, draft.hf_model)
         if not hasattr(draft, "bind"):
             raise SpecdecError(f"strategy.draft builds a {type(draft).__name__}, which is neither a model "
@@ -267,11 +271,12 @@ class CostAware(DraftSchedule):
         self.cost = cost_ratio  # c
         self.verify_cost = verify_cost  # v
         self.momentum = momentum
-        centers = (torch.arange(bins, dtype=torch.float64) + 0.5) / bins
-        self.hits = centers * prior_weight  # (bins,)
-        self.tries = torch.full((bins,), prior_weight, dtype=torch.float64)
-        self.second_hits = self.hits.clone()  # the same calibration for the drafter's second choices
-        self.second_tries = self.tries.clone()
+        # Calibration counts per confidence bin, the bin's center as prior: host floats, as the confidences
+        # they are read with (a tensor here would be one more thing to keep on the target's device).
+        self.hits = [(b + 0.5) / bins * prior_weight for b in range(bins)]
+        self.tries = [float(prior_weight)] * bins
+        self.second_hits = list(self.hits)  # the same calibration for the drafter's second choices
+        self.second_tries = list(self.tries)
         self.rate = 1.0  # R: tokens per unit, autoregressive to start with
         self._chain = 1.0
         self._moments: list[float] | None = None  # running E[n], E[t], E[n^2], E[n t] of target passes
@@ -306,11 +311,11 @@ class CostAware(DraftSchedule):
 
     def accept_prob(self, confidence: float) -> float:
         b = self._bin(confidence)
-        return float(self.hits[b] / self.tries[b])
+        return self.hits[b] / self.tries[b]
 
     def second_prob(self, second: float) -> float:
         b = self._bin(second)
-        return float(self.second_hits[b] / self.second_tries[b])
+        return self.second_hits[b] / self.second_tries[b]
 
     def length(self) -> int:
         self._chain = 1.0
@@ -476,8 +481,8 @@ class ChainRound:
         self.siblings = len(tokens) - self.drafted
         self.proposed_at = time.perf_counter()
         self.draft_s = self.proposed_at - t0
-        return Proposal(tokens=torch.tensor(tokens), parents=parents,
-                        probs=torch.stack(probs) if probs else None)
+        # the ids are host ints already (pick_two / sample read them); q stays on the drafter's device
+        return Proposal(tokens=as_tokens(tokens), parents=parents, probs=torch.stack(probs) if probs else None)
 
     def learn(self, verdict: Verdict) -> None:
         """After verification (call first in commit: the time since `draft` is the target's pass)."""

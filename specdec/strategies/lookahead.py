@@ -94,8 +94,10 @@ class LookaheadProposer:
     TEXT_CAPACITY = 32  # text occurrences kept per first token: enough to find one with the same context
 
     def __init__(self, W: int, N: int, G: int, max_len: int, harvest_output: bool, seed: int = 0,
-                 text_ngram: int | None = None, verify_tokens: int | None = None) -> None:
+                 text_ngram: int | None = None, verify_tokens: int | None = None,
+                 device: torch.device | str = "cpu") -> None:
         self.W, self.N, self.G = W, N, G
+        self.device = torch.device(device)  # the target's: where its mask and positions go
         self.max_len = max_len
         self.harvest_output = harvest_output
         self.pool = NGramPool(N, G)
@@ -131,8 +133,11 @@ class LookaheadProposer:
             if len(vtokens) > room or not vtokens:
                 return None
         self._layout = (root, len(vtokens), rows)
+        # assembled on the host from cached pieces, then one copy each to the target's device; the ids stay
+        # host ints (the loop reads them with the target's choices, the engine copies them in with the root)
         mask, depth = combined_mask(vparents, self.W, rows)
-        return Proposal(as_tokens(vtokens + wtokens), vparents + [-1] * len(wtokens), mask=mask, depth=depth)
+        return Proposal(as_tokens(vtokens + wtokens), vparents + [-1] * len(wtokens), mask=mask.to(self.device),
+                        depth=depth.to(self.device))
 
     def commit(self, state: DecodeState, verdict: Verdict, out: ForwardOut) -> None:
         if self._layout is not None and self._layout[2] > 0:
@@ -184,4 +189,5 @@ class Lookahead(SpeculativeStrategy):
 
     def make_proposer(self) -> Proposer:
         return LookaheadProposer(self.window, self.level, self.guesses, self.engine.max_len, self.harvest_output,
-                                 text_ngram=self.text_ngram, verify_tokens=self.verify_tokens)
+                                 text_ngram=self.text_ngram, verify_tokens=self.verify_tokens,
+                                 device=self.engine.device)

@@ -33,6 +33,7 @@ from torch import Tensor
 from specdec.engine.engine import ForwardOut, pass_cost_curve
 from specdec.errors import SpecdecError
 from specdec.models.loader import LoadedModel
+from specdec.ngram import as_tokens
 from specdec.resolvers import REPO_ROOT
 from specdec.strategies.base import DecodeState, Proposer, SpeculativeStrategy
 from specdec.strategies.copy_branch import CopyBranch
@@ -159,14 +160,17 @@ class HeadsProposer:
 
 
 class MedusaProposer(HeadsProposer):
-    """Turns the heads' top-k into one fixed tree."""
+    """Turns the heads' top-k into one fixed tree; `device`: the heads' (the target's), where the node
+    tokens are gathered, so that the loop reads them with the target's choices in its one transfer."""
 
-    def __init__(self, heads: Heads, paths: list[tuple[int, ...]], room: Callable[[], int]) -> None:
+    def __init__(self, heads: Heads, paths: list[tuple[int, ...]], room: Callable[[], int],
+                 device: torch.device | str = "cpu") -> None:
         self.heads = heads
         self.parents, keys = paths_to_parents(paths)
         self.width = 1 + max(k[-1] for k in keys)  # top-k needed from every head
-        self.head_of = torch.tensor([len(k) - 1 for k in keys])  # (N,) depth - 1 = the head that fills it
-        self.rank_of = torch.tensor([k[-1] for k in keys])  # (N,)
+        # (N,) depth - 1 = the head that fills it, and the node's rank among that head's guesses
+        self.head_of = torch.tensor([len(k) - 1 for k in keys], device=device)
+        self.rank_of = torch.tensor([k[-1] for k in keys], device=device)
         depth = [len(k) for k in keys]
         self.depth = max(depth)  # heads the tree reads: deeper ones are not run
         self.up_to = [sum(d <= m for d in depth) for m in range(max(depth) + 1)]  # nodes of depth <= m
@@ -192,13 +196,13 @@ class MedusaProposer(HeadsProposer):
             if key in self.inner:
                 child, c_ids, _ = heads.tree_expand(node, tokens[-1], self.width)
                 kids[key] = (child, c_ids.tolist())
-        return torch.tensor(tokens)
+        return as_tokens(tokens)
 
     def propose(self, state: DecodeState) -> Proposal | None:
         if isinstance(self.heads, PathHeads):
             tokens = self.path_tokens(self.heads, state)
         else:
-            tokens = self.candidates(state).cpu()[self.head_of, self.rank_of]  # (N,)
+            tokens = self.candidates(state)[self.head_of, self.rank_of]  # (N,) on the heads' device
         # Nodes are in (depth, rank) order with parents first, so any prefix is still a tree.
         # Past the token budget deeper nodes could never be kept: leave them out.
         useful = state.params.max_new_tokens - state.output_len - 1
@@ -274,7 +278,7 @@ class Medusa(SpeculativeStrategy):
         if isinstance(self.tree, DynamicTree):
             kind = PathMedusaProposer if isinstance(self.heads, PathHeads) else DynamicMedusaProposer
             return kind(self.heads, self.tree, room, self.costs)
-        return MedusaProposer(self.heads, self.tree, room)
+        return MedusaProposer(self.heads, self.tree, room, self.engine.device)
 
     def accept(self, proposal: Proposal, logits: Tensor, state: DecodeState) -> Verdict:
         if self.acceptance == "typical" and not state.params.sampling.greedy:
@@ -337,14 +341,15 @@ class DynamicMedusaProposer(HeadsProposer):
 
     def _proposal(self, tokens: list[int], parents: list[int], scores: list[float]) -> Proposal | None:
         if self.costs is not None:  # the prefix with the most expected tokens (root's included) per pass time
-            expected = 1.0 + torch.tensor(scores).exp().cumsum(0)  # (n,) for 1..n nodes
-            rate = expected / torch.tensor(self.costs[2:len(scores) + 2])
-            best = int(rate.argmax())
-            n = best + 1 if float(rate[best]) > 1.0 else 0  # 1.0: no tree, a plain one-token step
-            tokens, parents = tokens[:n], parents[:n]
+            best, best_rate, expected = 0, 1.0, 1.0  # 1.0: no tree, a plain one-token step
+            for n, score in enumerate(scores, start=1):  # host floats: a few nodes, no device work
+                expected += math.exp(score)
+                if expected / self.costs[n + 1] > best_rate:
+                    best, best_rate = n, expected / self.costs[n + 1]
+            tokens, parents = tokens[:best], parents[:best]
         if not tokens:
             return None
-        return Proposal(torch.tensor(tokens), parents)
+        return Proposal(as_tokens(tokens), parents)
 
 
 class PathMedusaProposer(DynamicMedusaProposer):
