@@ -17,6 +17,7 @@ from specdec.engine.engine import StaticEngine
 from specdec.engine.sampling import HOST_READS
 from specdec.models.loader import LoadedModel
 from specdec.strategies.base import DecodeState, GenerationParams, SpeculativeStrategy
+from specdec.strategies.draft import DraftStrategy, FixedLength
 from specdec.strategies.greedy import Greedy
 from specdec.strategies.prompt_lookup import PromptLookup
 from specdec.verify import Proposal, Verdict
@@ -69,7 +70,7 @@ class TreeStrategy(SpeculativeStrategy):
         return DeviceTree(self.target)
 
 
-@pytest.mark.parametrize("kind", ["greedy", "chain", "tree"])
+@pytest.mark.parametrize("kind", ["greedy", "chain", "tree", "draft"])
 @pytest.mark.parametrize("static", [False, True])
 def test_at_most_one_host_read_per_step(kind: str, static: bool, host_reads: Callable[[], int]) -> None:
     target = make_looping_target()
@@ -77,6 +78,8 @@ def test_at_most_one_host_read_per_step(kind: str, static: bool, host_reads: Cal
         "greedy": lambda: Greedy(target, "greedy", max_len=256),
         "chain": lambda: PromptLookup(target, max_len=256),
         "tree": lambda: TreeStrategy(target, "tree", max_len=256),
+        # the target drafts for itself: every drafted token accepted, none of them read one by one
+        "draft": lambda: DraftStrategy(target, "draft", target, FixedLength(4), 256),
     }[kind]()
     if static:  # the static-shape step without compiling: the same Python as the compiled one
         strategy.engine = StaticEngine(target.model, 256, static=True)

@@ -88,7 +88,9 @@ class Drafter:
                                "(specdec.models.load_model) nor a trained drafter with bind(target)")
         net = draft.bind(target)
         token_ids = None if net.token_ids is None else net.token_ids.to(net.device)
-        return cls(StaticEngine(net, max_len, prefill_chunk), token_ids, target.vocab_size, net.hf_model)
+        # a trained draft is a compact model too: it runs compiled wherever the target does
+        engine = StaticEngine(net, max_len, prefill_chunk, compile=target.compile and getattr(net, "fused", None) is None)
+        return cls(engine, token_ids, target.vocab_size, net.hf_model)
 
 
 def pick_two(logits: Tensor, token_ids: Tensor | None,
@@ -155,7 +157,14 @@ class RoundStats:
 
 
 class DraftSchedule(ABC):
-    """Decides how many tokens the draft proposes; learns from what the target accepted."""
+    """Decides how many tokens the draft proposes; learns from what the target accepted.
+
+    `reads_draft_probs`: whether it looks at the drafter's probabilities while drafting (keep_drafting,
+    branches, update's confidences). One that does not lets greedy drafting stay on the device: no
+    host read per drafted token, the tokens reaching the host with the target's verdict.
+    """
+
+    reads_draft_probs = True
 
     @abstractmethod
     def length(self) -> int:
@@ -184,6 +193,8 @@ class DraftSchedule(ABC):
 
 
 class FixedLength(DraftSchedule):
+    reads_draft_probs = False
+
     def __init__(self, gamma: int = 4) -> None:
         if gamma < 1:
             raise SpecdecError(f"strategy.schedule.gamma={gamma} must be at least 1")
@@ -195,6 +206,8 @@ class FixedLength(DraftSchedule):
 
 class Heuristic(DraftSchedule):
     """transformers' `num_assistant_tokens_schedule="heuristic"`: +2 after a full acceptance, else -1."""
+
+    reads_draft_probs = False
 
     def __init__(self, gamma: int = 4, max_gamma: int = 32) -> None:
         if not 1 <= gamma <= max_gamma:
@@ -389,6 +402,7 @@ class SitOut(DraftSchedule):
             raise SpecdecError(f"strategy.schedule: probe_every={probe_every} must be >= 0, prior_rate={prior_rate} "
                                f"> 0 and momentum={momentum} in (0, 1]; e.g. probe_every=8 prior_rate=1.0")
         self.inner = inner
+        self.reads_draft_probs = inner.reads_draft_probs
         self.gate = SitOutGate(RateMeter(prior_rate, momentum), probe_every)
 
     def calibrate(self, engine: Engine) -> None:
@@ -448,11 +462,18 @@ class ChainRound:
             self.drafted = 0
         return k_max
 
-    def draft(self, logits: Tensor, step: Callable[[int], Tensor], k_max: int, state: DecodeState,
+    def draft(self, logits: Tensor, step: Callable[[int | Tensor], Tensor], k_max: int, state: DecodeState,
               t0: float) -> Proposal:
         """Draft from `logits` (the drafter's row for the next token); `step(token)` feeds a drafted token
-        and returns the row after it. `t0`: when the round started, for the measured draft cost."""
+        (a host int, or a (1,) device tensor when drafting on the device) and returns the row after it.
+        `t0`: when the round started, for the measured draft cost.
+
+        An adaptive schedule reads the drafter's probabilities after every drafted token: one host read
+        per drafted token. Greedy drafting under a schedule that does not (`reads_draft_probs`) makes
+        none: see `draft_on_device`."""
         sp = state.params.sampling
+        if sp.greedy and not self.schedule.reads_draft_probs:
+            return self.draft_on_device(logits, step, k_max, t0)
         tokens: list[int] = []
         probs: list[Tensor] = []
         self.confidences = []
@@ -483,6 +504,23 @@ class ChainRound:
         self.draft_s = self.proposed_at - t0
         # the ids are host ints already (pick_two / sample read them); q stays on the drafter's device
         return Proposal(tokens=as_tokens(tokens), parents=parents, probs=torch.stack(probs) if probs else None)
+
+    def draft_on_device(self, logits: Tensor, step: Callable[[int | Tensor], Tensor], k_max: int,
+                        t0: float) -> Proposal:
+        """Greedy chain of k_max tokens without reading the device: each choice (the first maximum, as
+        pick_two's) is fed back as a device tensor; the host learns the tokens with the target's verdict."""
+        tokens: list[Tensor] = []
+        for i in range(k_max):
+            row = logits if self.token_ids is not None else logits[:self.target_vocab]
+            top = row.argmax(-1, keepdim=True)  # (1,)
+            tokens.append(top if self.token_ids is None else self.token_ids[top])
+            if i + 1 < k_max:
+                logits = step(tokens[-1])
+        self.drafted, self.siblings = k_max, 0
+        self.confidences, self.seconds = [1.0] * k_max, []  # unread: the schedule does not use them
+        self.proposed_at = time.perf_counter()
+        self.draft_s = self.proposed_at - t0
+        return Proposal(tokens=torch.cat(tokens), parents=list(range(k_max)))
 
     def learn(self, verdict: Verdict) -> None:
         """After verification (call first in commit: the time since `draft` is the target's pass)."""
@@ -524,15 +562,25 @@ class DraftProposer:
         if k_max < 1:
             return None
 
-        def feed(tokens: list[int]) -> Tensor:
-            out = engine.forward(torch.tensor(tokens, device=_device(engine)))
-            self.fed += tokens
+        def feed(tokens: list[int] | Tensor) -> Tensor:
+            if isinstance(tokens, Tensor):  # a token drafted on the device: its id is learnt at commit
+                out = engine.forward(tokens)
+                self.fed += [UNREAD] * len(tokens)
+            else:
+                out = engine.forward(torch.tensor(tokens, device=_device(engine)))
+                self.fed += tokens
             return out.logits[-1]
 
-        return self.round.draft(feed(state.ids[len(self.fed):]), lambda tok: feed([tok]), k_max, state, t0)
+        return self.round.draft(feed(state.ids[len(self.fed):]),
+                                lambda tok: feed(tok if isinstance(tok, Tensor) else [tok]), k_max, state, t0)
 
     def commit(self, state: DecodeState, verdict: Verdict, out: ForwardOut) -> None:
         self.round.learn(verdict)
+        # drafted tokens fed unread sit at the end of `fed`, in chain order from the first one; the
+        # accepted ones are now in state.ids at the same positions, the rest are rolled back below
+        first = self.fed.index(UNREAD) if UNREAD in self.fed else len(self.fed)
+        for j in range(first, min(first + len(verdict.nodes), len(self.fed), len(state.ids))):
+            self.fed[j] = state.ids[j]
         keep = 0
         limit = min(len(self.fed), len(state.ids))
         while keep < limit and self.fed[keep] == state.ids[keep]:
@@ -540,6 +588,9 @@ class DraftProposer:
         if keep < len(self.fed):
             self.drafter.engine.rollback(keep)
             del self.fed[keep:]
+
+
+UNREAD = -1  # a drafted token fed from the device, its id not read yet
 
 
 def _device(engine: Engine) -> torch.device:

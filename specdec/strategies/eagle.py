@@ -59,12 +59,14 @@ class EagleProposer:
         self.fed = 0
         self.pending = out.hidden  # (P, D): h_0 .. h_{P-1}, the pairs' features up to the first new token
 
-    def _run(self, tokens: list[int], features: Tensor, start: int) -> tuple[Tensor, Tensor]:
-        """Feed pairs at positions start..; the last one's logits (K,) and guessed next feature (D,)."""
+    def _run(self, tokens: list[int] | Tensor, features: Tensor, start: int) -> tuple[Tensor, Tensor]:
+        """Feed pairs at positions start..; the last one's logits (K,) and guessed next feature (D,).
+        tokens: host ids, or ids drafted on the device (1,)."""
         device = self.net.device
-        n = len(tokens)
+        ids = tokens.to(device) if isinstance(tokens, Tensor) else torch.tensor(tokens, device=device)  # (n,)
+        n = len(ids)
         pos = torch.arange(start, start + n, device=device)[None]  # (1, n)
-        logits, guess = self.net(torch.tensor(tokens, device=device)[None], features.to(device)[None], pos,
+        logits, guess = self.net(ids[None], features.to(device)[None], pos,
                                  self.cache, self.cache.attention_mask(None, n), logits_from=n - 1)
         return logits[0, -1], guess[0, -1]
 
@@ -80,9 +82,9 @@ class EagleProposer:
         self.fed, self.pending = L - 1, self.pending[:0]
         at = L - 1  # the next pair, (guessed h_at, drafted token), sits at position at
 
-        def step(tok: int) -> Tensor:
+        def step(tok: int | Tensor) -> Tensor:
             nonlocal guess, at
-            logits, guess = self._run([tok], guess[None], at)
+            logits, guess = self._run(tok if isinstance(tok, Tensor) else [tok], guess[None], at)
             at += 1
             return logits
 
