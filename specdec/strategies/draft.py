@@ -89,7 +89,8 @@ class Drafter:
         net = draft.bind(target)
         token_ids = None if net.token_ids is None else net.token_ids.to(net.device)
         # a trained draft is a compact model too: it runs compiled wherever the target does
-        engine = StaticEngine(net, max_len, prefill_chunk, compile=target.compile and getattr(net, "fused", None) is None)
+        compiled = target.compile and getattr(net, "fused", None) is None
+        engine = StaticEngine(net, max_len, prefill_chunk, compile=compiled)
         return cls(engine, token_ids, target.vocab_size, net.hf_model)
 
 
