@@ -56,6 +56,13 @@ class EagleNet(Llama):
         cache.advance(tokens.shape[1])
         return self.lm_head(h[:, logits_from:]), h
 
+    def forward_static(self, tokens: Tensor, positions: Tensor, slots: Tensor, tree: Tensor,  # type: ignore[override]
+                       cache: Any, features: Tensor) -> tuple[Tensor, Tensor]:
+        """Llama.forward_static with the pairs' features (1, T, D) beside the tokens (engine/static_step.py)."""
+        x = self.fc(torch.cat([self.embed(tokens), features.to(self.dtype)], -1))  # (1, T, D)
+        h = self.layers_static(x, positions, slots, tree, cache)
+        return self.lm_head(h), h
+
 
 def eagle_args(target: LoadedModel, layers: int) -> LlamaArgs:
     """The target's block shape, `layers` deep."""

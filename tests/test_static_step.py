@@ -131,6 +131,8 @@ def test_every_strategy_decodes_the_same_tokens_compiled_and_eager(tiny_target: 
     draft = load_model("tiny-draft", "builtin:tiny-llama", matmul="torch", tiny={"seed": 1})
     eager_runs = _strategies(tiny_target, draft)
     compiled_runs = _strategies(compiled, dataclasses.replace(draft, compile=True))
+    assert compiled_runs["eagle"].static is not None  # type: ignore[attr-defined]  # the drafter compiles too
+    assert compiled_runs["draft"].drafter.engine.static is not None  # type: ignore[attr-defined]
     params = GenerationParams(24)
     target_prompts = list(prompts(tiny_target).values())[:3]
     for name, eager in eager_runs.items():

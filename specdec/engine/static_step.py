@@ -55,9 +55,9 @@ def compiled_step(model: torch.nn.Module, compile: bool) -> Callable[..., tuple[
     key = "_static_step_compiled" if compile else "_static_step_eager"
     fn = model.__dict__.get(key)
     if fn is None:
-        def step(tokens: Tensor, positions: Tensor, slots: Tensor, tree: Tensor,
-                 k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-            return model.forward_static(tokens, positions, slots, tree, CacheView(k, v))  # type: ignore[operator]
+        def step(tokens: Tensor, positions: Tensor, slots: Tensor, tree: Tensor, k: Tensor, v: Tensor,
+                 *extra: Tensor) -> tuple[Tensor, Tensor]:
+            return model.forward_static(tokens, positions, slots, tree, CacheView(k, v), *extra)  # type: ignore[operator]
 
         device = next(model.parameters()).device
         # one traced graph per bucket and cache size, for the target and each drafter, all of this one
@@ -75,6 +75,7 @@ class StaticStep:
 
     `__call__(tokens, depth, mask, length)` takes what `StaticEngine.forward` takes plus the number of
     cached tokens, and returns logits (T, V) and hidden states (T, dim) for the T real tokens.
+    `features` (T, dim): the per-token inputs of a feature drafter (heads.eagle.EagleNet), padded too.
     """
 
     def __init__(self, model: torch.nn.Module, cache: KVCache, compile: bool = True) -> None:
@@ -92,7 +93,7 @@ class StaticStep:
 
     @torch.inference_mode()  # grad mode is part of what a compiled graph is guarded on
     def __call__(self, tokens: Tensor, depth: Tensor | None, mask: Tensor | None,
-                 length: int) -> tuple[Tensor, Tensor]:
+                 length: int, features: Tensor | None = None) -> tuple[Tensor, Tensor]:
         T = len(tokens)
         B = bucket(T)
         toks = torch.nn.functional.pad(tokens.to(self.device), (0, B - T))  # (B,)
@@ -106,7 +107,8 @@ class StaticStep:
         else:
             tree = self._tril[B] & torch.eye(B, dtype=torch.bool, device=self.device)
             tree[:T, :T] = mask.to(self.device, torch.bool)
-        logits, hidden = self.step(toks[None], positions[None], slots, tree, self.cache.k, self.cache.v)
+        extra = () if features is None else (torch.nn.functional.pad(features, (0, 0, 0, B - T))[None],)
+        logits, hidden = self.step(toks[None], positions[None], slots, tree, self.cache.k, self.cache.v, *extra)
         # cudagraph outputs live in buffers the next replay overwrites; keep copies of the real rows
         return logits[0, :T].float().clone(), hidden[0, :T].clone()
 

@@ -22,6 +22,7 @@ from torch import Tensor
 
 from specdec.engine.engine import ForwardOut
 from specdec.engine.kv_cache import KVCache
+from specdec.engine.static_step import BUCKETS, StaticStep
 from specdec.strategies.base import DecodeState, Proposer, SpeculativeStrategy
 from specdec.strategies.draft import ChainRound, Confidence, DraftSchedule
 from specdec.verify import Proposal, Verdict
@@ -53,6 +54,7 @@ class EagleProposer:
     round: ChainRound
     fed: int = 0  # pairs in the cache built on the target's real features
     pending: Tensor | None = None  # (n, D) target features of pairs fed.. not yet in the cache
+    static: StaticStep | None = None  # the drafter's compiled static-shape step, when the target compiles
 
     def start(self, state: DecodeState, out: ForwardOut) -> None:
         self.cache.rollback(0)
@@ -65,6 +67,11 @@ class EagleProposer:
         device = self.net.device
         ids = tokens.to(device) if isinstance(tokens, Tensor) else torch.tensor(tokens, device=device)  # (n,)
         n = len(ids)
+        if self.static is not None and n <= BUCKETS[-1]:
+            self.cache.reserve(n)
+            logits, guess = self.static(ids, None, None, start, features.to(device))
+            self.cache.advance(n)
+            return logits[-1], guess[-1]
         pos = torch.arange(start, start + n, device=device)[None]  # (1, n)
         logits, guess = self.net(ids[None], features.to(device)[None], pos,
                                  self.cache, self.cache.attention_mask(None, n), logits_from=n - 1)
@@ -73,7 +80,8 @@ class EagleProposer:
     def propose(self, state: DecodeState) -> Proposal | None:
         t0 = time.perf_counter()
         L = len(state.ids)
-        k_max = self.round.max_tokens(state, self.cache.max_len - L)
+        spare = BUCKETS[-1] if self.static is not None else 0  # slots only a padded step writes to
+        k_max = self.round.max_tokens(state, self.cache.max_len - spare - L)
         assert self.pending is not None and len(self.pending) == L - 1 - self.fed, "drafter out of step"
         if k_max < 1:
             return None
@@ -107,12 +115,16 @@ class EagleStrategy(SpeculativeStrategy):
         super().__init__(target, name, max_len, prefill_chunk)
         # a saved drafter is checked against the target and bound to it; a network is used as given
         self.net: EagleDraftNet = drafter.bind(target) if hasattr(drafter, "bind") else drafter  # type: ignore[assignment]
-        self.cache = self.net.new_cache(max_len)
+        # compiled with the target, on the torch path (a drafter on the CPU kernels stays eager)
+        compiled = bool(getattr(target, "compile", False)) and getattr(self.net, "fused", None) is None
+        self.cache = self.net.new_cache(max_len + (BUCKETS[-1] if compiled else 0))
+        self.static = StaticStep(self.net, self.cache) if compiled else None  # type: ignore[arg-type]
         self.schedule = schedule if schedule is not None else Confidence(0.4, 3)
         self.schedule.calibrate(self.engine)
         self.last_proposer: EagleProposer | None = None
 
     def make_proposer(self) -> Proposer:
         self.last_proposer = EagleProposer(
-            self.net, self.cache, ChainRound(self.schedule, self.net.token_ids, self.target.vocab_size))
+            self.net, self.cache, ChainRound(self.schedule, self.net.token_ids, self.target.vocab_size),
+            static=self.static)
         return self.last_proposer
