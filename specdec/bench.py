@@ -1,13 +1,16 @@
 """`python -m specdec.bench`: how close one decode step is to the hardware, and what verification costs.
 
 Measures, in one process and interleaved where two things are compared:
-- memory read bandwidth (a sum over a large buffer) and the bound it puts on one decode step;
-- our greedy against transformers `generate()`: tokens/s, ms per token, bytes of weights read per
-  second as a fraction of the measured bandwidth (as gpt-fast reports), peak resident memory;
+- memory bandwidth and the bound it puts on one decode step: on a CPU the read bandwidth of a sum over
+  a large buffer, on a GPU a device-to-device copy (each byte read and written once);
+- our greedy against transformers `generate()` (`peers`: eager, and with a static cache plus
+  torch.compile): tokens/s, ms per token, bytes of weights read per second as a fraction of the
+  measured bandwidth (as gpt-fast reports), peak resident memory;
 - the verification-cost curve: one target pass over k = 1, 2, 4, ... new tokens relative to k = 1;
 - the drafting step of each listed strategy, as a fraction of a target step (the cost ratio that the
   analytic speedup needs).
-A benchmark, not a test: run it on an otherwise idle machine.
+A benchmark, not a test: run it on an otherwise idle machine. Every timer waits for the device's
+queued work first (`specdec.engine.timing.clock`): CUDA kernels run asynchronously.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from omegaconf import DictConfig, OmegaConf
 from specdec.cli_checks import CONFIG_DIR
 from specdec.data import default_suite
 from specdec.engine.engine import pass_times
+from specdec.engine.timing import clock
 from specdec.errors import SpecdecError
 from specdec.models import cpu_kernels
 from specdec.models.loader import LoadedModel
@@ -36,17 +40,34 @@ from specdec.strategies.base import GenerationParams, Strategy, make_engine, tor
 
 
 def memory_bandwidth_gbs(mbytes: int = 256, reps: int = 5) -> float:
-    """Best-of-reps read bandwidth of a reduction over a buffer far larger than the caches."""
+    """Best-of-reps read bandwidth of a reduction over a buffer far larger than the caches (CPU)."""
     buf = torch.ones(mbytes * 2**20 // 4)
     buf.sum()
-    best = min(_timed(buf.sum) for _ in range(reps))
+    best = min(_timed(buf.sum, buf.device) for _ in range(reps))
     return buf.numel() * 4 / best / 1e9
 
 
-def _timed(fn: Any) -> float:
-    start = time.perf_counter()
+def device_bandwidth_gbs(device: torch.device | str, mbytes: int = 2048, reps: int = 10) -> float:
+    """The bound for a decode step on `device`: on a GPU, best-of-reps bandwidth of a device-to-device
+    copy (bytes read plus bytes written, as HBM sees them); on a CPU, `memory_bandwidth_gbs`."""
+    dev = torch.device(device)
+    if dev.type != "cuda":
+        return memory_bandwidth_gbs()
+    src = torch.ones(mbytes * 2**20 // 2, dtype=torch.bfloat16, device=dev)
+    dst = torch.empty_like(src)
+    dst.copy_(src)  # first touch: allocation and lazy init stay out of the timing
+    best = min(_timed(lambda: dst.copy_(src), dev) for _ in range(reps))
+    return 2 * src.nbytes / best / 1e9
+
+
+def bandwidth_method(device: torch.device | str) -> str:
+    return "device-to-device copy" if torch.device(device).type == "cuda" else "read (sum over a buffer)"
+
+
+def _timed(fn: Any, device: torch.device | str | None = None) -> float:
+    start = clock(device)
     fn()
-    return time.perf_counter() - start
+    return clock(device) - start
 
 
 def weight_bytes(model: torch.nn.Module) -> int:
@@ -113,13 +134,15 @@ def bench(cfg: DictConfig) -> dict[str, Any]:
     questions = default_suite(per_category=1, seed=int(cfg.prompt_seed))[: int(cfg.prompts)]
     prompts = [target.chat_ids([{"role": "user", "content": q.turns[0]}]) for q in questions]
     params = GenerationParams(int(cfg.new_tokens), eos_ids=())  # fixed length: no early EOS
-    bandwidth = memory_bandwidth_gbs()
+    bandwidth = device_bandwidth_gbs(target.device)
     nbytes = weight_bytes(target.model)
+    names = list(dict.fromkeys(["greedy", "hf_generate", *cfg.get("peers", [])]))
     peers: dict[str, Strategy] = {}
-    for name in ("greedy", "hf_generate"):
+    for name in names:
         factory = instantiate(OmegaConf.load(CONFIG_DIR / "strategy" / f"{name}.yaml"))
         peers[name] = factory(target=target, max_len=int(cfg.max_len), prefill_chunk=512)
-    compare_greedy(peers, target, prompts[:1], GenerationParams(8, eos_ids=()), 1)  # warm-up
+    # warm-up; a compiled peer compiles its decode step (one shape) and captures its graphs here
+    compare_greedy(peers, target, prompts[:1], GenerationParams(8, eos_ids=()), 1)
     speed = compare_greedy(peers, target, prompts, params, int(cfg.rounds))
     for s in speed.values():
         s["weights_gb_per_s"] = nbytes / (s["ms_per_token"] / 1e3) / 1e9
@@ -139,10 +162,13 @@ def bench(cfg: DictConfig) -> dict[str, Any]:
         "model": target.name, "dtype": str(target.dtype).removeprefix("torch."),
         "matmul": target.matmul, "threads": torch.get_num_threads(), "cpu": cpu_name(),
         "kernels": cpu_kernels.describe() if target.matmul == "numba" else None,
+        "device": str(target.device), "bandwidth_method": bandwidth_method(target.device),
         "memory_bandwidth_gb_per_s": bandwidth, "weight_bytes": nbytes,
         "bandwidth_bound_ms_per_token": nbytes / bandwidth / 1e6,
         "greedy_vs_hf": speed,
         "speedup_greedy_over_hf": speed["greedy"]["tokens_per_s"] / speed["hf_generate"]["tokens_per_s"],
+        "speedup_greedy_over": {n: speed["greedy"]["tokens_per_s"] / s["tokens_per_s"]
+                                for n, s in speed.items() if n != "greedy"},
         "verification_ms": curve, "verification_ratio": {k: v / curve[cfg.ks[0]] for k, v in curve.items()},
         "drafting": drafts, "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         "command": " ".join(["python -m specdec.bench", *sys.argv[1:]]),
@@ -155,15 +181,18 @@ def to_markdown(r: dict[str, Any]) -> str:
     layout += f", kernels {r['kernels']}" if r.get("kernels") else ""
     lines = [f"# specdec.bench: {r['model']} ({r['dtype']}, matmul {r['matmul']}{layout}, {r['threads']} threads)", "",
              f"`{r['command']}` on {r['date']}" + (f", {r['cpu']}" if r.get("cpu") else ""), "",
-             f"- memory read bandwidth {r['memory_bandwidth_gb_per_s']:.1f} GB/s; weights read per step "
-             f"{r['weight_bytes'] / 1e6:.0f} MB; bound {r['bandwidth_bound_ms_per_token']:.1f} ms/token",
+             f"- memory bandwidth {r['memory_bandwidth_gb_per_s']:.1f} GB/s "
+             f"({r.get('bandwidth_method', 'read (sum over a buffer)')}); weights read per step "
+             f"{r['weight_bytes'] / 1e6:.0f} MB; bound {r['bandwidth_bound_ms_per_token']:.3g} ms/token",
              f"- peak resident memory {r['peak_rss_mb']:.0f} MB", "",
              "| decoder | tokens/s | ms/token | GB/s of weights | of bandwidth |", "|---|---|---|---|---|"]
     for name, s in r["greedy_vs_hf"].items():
-        lines.append(f"| {name} | {s['tokens_per_s']:.2f} | {s['ms_per_token']:.1f} | {s['weights_gb_per_s']:.1f} | "
+        lines.append(f"| {name} | {s['tokens_per_s']:.2f} | {s['ms_per_token']:.2f} | {s['weights_gb_per_s']:.1f} | "
                      f"{s['fraction_of_bandwidth']:.0%} |")
-    lines += ["", f"greedy / hf_generate: **{r['speedup_greedy_over_hf']:.2f}x**", "",
-              "| k new tokens | ms per pass | relative to k=1 |", "|---|---|---|"]
+    lines += [""]
+    for name, x in r.get("speedup_greedy_over", {"hf_generate": r["speedup_greedy_over_hf"]}).items():
+        lines.append(f"- greedy / {name}: **{x:.2f}x**")
+    lines += ["", "| k new tokens | ms per pass | relative to k=1 |", "|---|---|---|"]
     for k, ms in r["verification_ms"].items():
         lines.append(f"| {k} | {ms:.1f} | {r['verification_ratio'][k]:.2f} |")
     lines += ["", "| strategy | drafting ms/step | target step ms | draft / target |", "|---|---|---|---|"]

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import torch
 
+from specdec.engine.timing import clock
 from specdec.errors import SpecdecError
 from specdec.models.loader import LoadedModel
 from specdec.strategies.base import GenerationParams, Strategy, TurnResult, stop_cut
@@ -15,14 +15,15 @@ from specdec.strategies.base import GenerationParams, Strategy, TurnResult, stop
 class _FirstTokenTimer:
     """A transformers streamer that only notes when the first generated token arrives."""
 
-    def __init__(self) -> None:
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
         self.calls = 0
         self.first: float | None = None
 
     def put(self, value: Any) -> None:
         self.calls += 1
         if self.calls == 2 and self.first is None:  # the first put() is the prompt
-            self.first = time.perf_counter()
+            self.first = clock(self.device)
 
     def end(self) -> None:
         pass
@@ -42,22 +43,46 @@ class _StopStrings:
         return torch.full((input_ids.shape[0],), hit, dtype=torch.bool, device=input_ids.device)
 
 
+CACHES = (None, "dynamic", "static")
+
+
 class HFGenerate(Strategy):
     """`model.generate()`; with `prompt_lookup_num_tokens` set it is transformers' prompt lookup,
     with a draft it is assisted generation. decode_steps and accept_lengths stay null: transformers
-    does not expose its per-pass counts."""
+    does not expose its per-pass counts.
+
+    `cache_implementation="static"` with `compile` is transformers' own fast path (`strategy=hf_static`):
+    a preallocated cache of `max_len` positions, so every decode step has one shape, and the decode
+    step `torch.compile`d through `generate(compile_config=...)` (mode reduce-overhead: CUDA graphs).
+    compile `auto` compiles where transformers does by default (CUDA), `true` on any device (inductor
+    on a CPU: slow to compile, for tests), `false` never. Prefill runs eagerly, as transformers does it.
+    """
 
     def __init__(self, target: LoadedModel, name: str, prompt_lookup_num_tokens: int | None = None,
                  max_matching_ngram_size: int | None = None, draft: LoadedModel | None = None,
                  num_assistant_tokens: int | None = None, num_assistant_tokens_schedule: str | None = None,
                  torch_threads: int | None = None, max_len: int | None = None,
-                 prefill_chunk: int | None = None) -> None:
-        # max_len/prefill_chunk configure our engine; transformers sizes its own cache
-        del max_len, prefill_chunk
+                 prefill_chunk: int | None = None, cache_implementation: str | None = None,
+                 compile: bool | str = False, compile_mode: str = "reduce-overhead", fullgraph: bool = True) -> None:
+        del prefill_chunk  # configures our engine; transformers prefills in one pass
         self.name = name
         self.target = target
         self.draft = draft
         self.threads = torch_threads
+        if cache_implementation not in CACHES:
+            raise SpecdecError(f"strategy.cache_implementation={cache_implementation!r}; use null, dynamic or static")
+        if compile not in (True, False, "auto"):
+            raise SpecdecError(f"strategy.compile={compile!r}; use auto, true or false")
+        if compile and cache_implementation != "static":
+            raise SpecdecError("strategy.compile needs a static cache (every step one shape): set "
+                               "strategy.cache_implementation=static, or strategy.compile=false")
+        static = cache_implementation == "static"
+        if static and (prompt_lookup_num_tokens or draft is not None):
+            raise SpecdecError("the static-cache peer runs plain generate(); drop strategy.cache_implementation "
+                               "for prompt lookup or assisted generation")
+        self.cache_implementation = cache_implementation
+        # auto: where transformers compiles by default; asking it elsewhere only earns a warning
+        self.compile = compile is True or (compile == "auto" and target.device.type == "cuda")
         self.extra: dict[str, Any] = {}
         if prompt_lookup_num_tokens:
             self.extra["prompt_lookup_num_tokens"] = prompt_lookup_num_tokens
@@ -68,6 +93,28 @@ class HFGenerate(Strategy):
                 self.extra["num_assistant_tokens"] = num_assistant_tokens
             if num_assistant_tokens_schedule:
                 self.extra["num_assistant_tokens_schedule"] = num_assistant_tokens_schedule
+        if cache_implementation is not None:
+            self.extra["cache_implementation"] = cache_implementation
+        if static:
+            # one cache size for every turn: a new size would reallocate the cache and recompile the step
+            if max_len:
+                self.extra["max_cache_len"] = max_len
+            if self.compile:
+                from transformers import CompileConfig
+
+                cc = CompileConfig(fullgraph=fullgraph, mode=compile_mode)
+                if target.device.type != "cuda":  # transformers compiles on accelerators only, unless told so
+                    cc._compile_all_devices = True
+                self.extra["compile_config"] = cc
+            else:
+                self.extra["disable_compile"] = True  # transformers compiles static caches on CUDA by default
+
+    @property
+    def peer(self) -> str:
+        """How transformers runs: what summaries print beside the name (eager, static, static+compile)."""
+        if self.cache_implementation != "static":
+            return "eager"
+        return "static+compile" if self.compile else "static"
 
     def generate(self, prompt_ids: list[int], params: GenerationParams, seed: int) -> TurnResult:
         from transformers import GenerationConfig
@@ -93,17 +140,18 @@ class HFGenerate(Strategy):
         if assistant is not None:
             kwargs["assistant_model"] = assistant
         ids = torch.tensor([prompt_ids], device=self.target.device)
-        timer = _FirstTokenTimer()
+        device = self.target.device
+        timer = _FirstTokenTimer(device)
         with torch_threads(self.threads), torch.inference_mode():
             torch.manual_seed(seed)
-            start = time.perf_counter()
+            start = clock(device)
             out = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config,
                                  streamer=timer, **kwargs)
-            wall = time.perf_counter() - start
+            wall = clock(device) - start
         output = out[0, len(prompt_ids):].tolist()
         cut = stop_cut(self.target.tokenizer, output, 0, 0, params.stop)  # assisted steps overshoot
         output = output if cut is None else output[:cut]
-        ttft = (timer.first or time.perf_counter()) - start
+        ttft = (timer.first or clock(device)) - start
         return TurnResult(output, min(ttft, wall), wall, None, None)
 
     def assistant_model(self) -> Any:
