@@ -26,6 +26,7 @@ from torch import Tensor
 from specdec.engine.engine import Engine, ForwardOut, StaticEngine, pass_cost_curve
 from specdec.engine.kv_cache import KVCache
 from specdec.engine.sampling import sample, warp
+from specdec.engine.timing import clock
 from specdec.errors import SpecdecError
 from specdec.models.loader import LoadedModel, check_same_tokenizer
 from specdec.ngram import as_tokens
@@ -166,6 +167,7 @@ class DraftSchedule(ABC):
     """
 
     reads_draft_probs = True
+    reads_times = False  # whether update() reads the round's draft and target times (then synchronised)
 
     @abstractmethod
     def length(self) -> int:
@@ -274,6 +276,8 @@ class CostAware(DraftSchedule):
     one-token chain is nearly free while the fifth is not. The curve also turns each round's measured
     target time into a one-token step for c. Without an engine both come from the online fit.
     """
+
+    reads_times = True
 
     def __init__(self, max_gamma: int = 12, cost_ratio: float = 0.1, verify_cost: float = 0.1,
                  bins: int = 10, prior_weight: float = 4.0, momentum: float = 0.05, siblings: int = 0) -> None:
@@ -403,7 +407,7 @@ class SitOut(DraftSchedule):
             raise SpecdecError(f"strategy.schedule: probe_every={probe_every} must be >= 0, prior_rate={prior_rate} "
                                f"> 0 and momentum={momentum} in (0, 1]; e.g. probe_every=8 prior_rate=1.0")
         self.inner = inner
-        self.reads_draft_probs = inner.reads_draft_probs
+        self.reads_draft_probs, self.reads_times = inner.reads_draft_probs, True
         self.gate = SitOutGate(RateMeter(prior_rate, momentum), probe_every)
 
     def calibrate(self, engine: Engine) -> None:
@@ -453,6 +457,12 @@ class ChainRound:
     room: int = 0
     draft_s: float = 0.0
     proposed_at: float = 0.0
+    device: torch.device | None = None  # where drafter and target run: their times are read after a sync
+
+    def now(self) -> float:
+        """The clock for the round's times: synchronised with the device (a host read per round) only
+        for schedules that read the times; the others record a host clock for the results alone."""
+        return clock(self.device) if self.schedule.reads_times else time.perf_counter()
 
     def max_tokens(self, state: DecodeState, room: int) -> int:
         """How many tokens this round may draft: the schedule's, within the budget and the cache room."""
@@ -501,7 +511,7 @@ class ChainRound:
             tokens += [self.seconds[d][0] for d in depths]
             parents += depths
         self.siblings = len(tokens) - self.drafted
-        self.proposed_at = time.perf_counter()
+        self.proposed_at = self.now()
         self.draft_s = self.proposed_at - t0
         # the ids are host ints already (pick_two / sample read them); q stays on the drafter's device
         return Proposal(tokens=as_tokens(tokens), parents=parents, probs=torch.stack(probs) if probs else None)
@@ -519,14 +529,14 @@ class ChainRound:
                 logits = step(tokens[-1])
         self.drafted, self.siblings = k_max, 0
         self.confidences, self.seconds = [1.0] * k_max, []  # unread: the schedule does not use them
-        self.proposed_at = time.perf_counter()
+        self.proposed_at = self.now()
         self.draft_s = self.proposed_at - t0
         return Proposal(tokens=torch.cat(tokens), parents=list(range(k_max)))
 
     def learn(self, verdict: Verdict) -> None:
         """After verification (call first in commit: the time since `draft` is the target's pass)."""
         if self.drafted:
-            target_s = time.perf_counter() - self.proposed_at
+            target_s = self.now() - self.proposed_at
             accepted = 0
             while accepted < len(verdict.nodes) and verdict.nodes[accepted] == accepted + 1:
                 accepted += 1
@@ -557,7 +567,7 @@ class DraftProposer:
         self.drafter.engine.prefill(self.fed)
 
     def propose(self, state: DecodeState) -> Proposal | None:
-        t0 = time.perf_counter()
+        t0 = self.round.now()
         engine = self.drafter.engine
         k_max = self.round.max_tokens(state, engine.max_len - len(state.ids))  # the target pass needs k slots
         if k_max < 1:
@@ -611,5 +621,6 @@ class DraftStrategy(SpeculativeStrategy):
 
     def make_proposer(self) -> Proposer:
         self.last_proposer = DraftProposer(
-            self.drafter, ChainRound(self.schedule, self.drafter.token_ids, self.drafter.target_vocab))
+            self.drafter, ChainRound(self.schedule, self.drafter.token_ids, self.drafter.target_vocab,
+                                     device=self.engine.device))
         return self.last_proposer

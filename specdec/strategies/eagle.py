@@ -13,7 +13,6 @@ target features are kept; those built on guessed features are rolled back after 
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -78,7 +77,7 @@ class EagleProposer:
         return logits[0, -1], guess[0, -1]
 
     def propose(self, state: DecodeState) -> Proposal | None:
-        t0 = time.perf_counter()
+        t0 = self.round.now()
         L = len(state.ids)
         spare = BUCKETS[-1] if self.static is not None else 0  # slots only a padded step writes to
         k_max = self.round.max_tokens(state, self.cache.max_len - spare - L)
@@ -125,6 +124,7 @@ class EagleStrategy(SpeculativeStrategy):
 
     def make_proposer(self) -> Proposer:
         self.last_proposer = EagleProposer(
-            self.net, self.cache, ChainRound(self.schedule, self.net.token_ids, self.target.vocab_size),
+            self.net, self.cache, ChainRound(self.schedule, self.net.token_ids, self.target.vocab_size,
+                                               device=self.engine.device),
             static=self.static)
         return self.last_proposer

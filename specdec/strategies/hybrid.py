@@ -16,13 +16,14 @@ of them), Medusa's keeps the hidden state of the newest token, and none rolls ba
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import torch
 from torch import Tensor
 
 from specdec.engine.engine import ForwardOut, pass_cost_curve
+from specdec.engine.timing import clock
 from specdec.errors import SpecdecError
 from specdec.models.loader import LoadedModel
 from specdec.strategies.base import DecodeState, Proposer, SpeculativeStrategy
@@ -39,6 +40,7 @@ class LookupFirst:
     model: Proposer
     gate: SitOutGate  # the model drafter's: its measured rate, and whether it may draft this round
     source: str = ""  # who proposed this round: "lookup", "model" or ""
+    device: torch.device | None = None  # the target's: times are read once its work has finished
     _t0: float = 0.0
     _proposed_at: float = 0.0
     _drafted: int = 0
@@ -49,7 +51,8 @@ class LookupFirst:
         self.model.start(state, out)
 
     def propose(self, state: DecodeState) -> Proposal | None:
-        self._t0 = time.perf_counter()
+        # the gate decides from measured times: one synchronisation per round on a GPU
+        self._t0 = clock(self.device)
         # a plain one-token step yields 1 token per unit: neither drafter may do worse than that
         self.lookup.floor = max(1.0, self.gate.meter.rate)
         proposal = self.lookup.propose(state)
@@ -59,7 +62,7 @@ class LookupFirst:
             if self.gate.open():  # a model drafter that has been losing time sits out, bar probe rounds
                 proposal = self.model.propose(state)
                 self.source = "model" if proposal is not None else ""
-        self._proposed_at = time.perf_counter()
+        self._proposed_at = clock(self.device)
         self._drafted = len(proposal.tokens) if proposal is not None else 0
         self.rounds[self.source or "none"] += 1
         return proposal
@@ -67,7 +70,7 @@ class LookupFirst:
     def commit(self, state: DecodeState, verdict: Verdict, out: ForwardOut) -> None:
         if self.source == "model" and self._drafted:
             self.gate.record(len(verdict.tokens), self._drafted, self._proposed_at - self._t0,
-                             time.perf_counter() - self._proposed_at)
+                             clock(self.device) - self._proposed_at)
         # both always commit: the lookup indexes the new tokens, the model rolls its cache back to them
         self.lookup.commit(state, verdict, out)
         self.model.commit(state, verdict, out)
@@ -106,7 +109,8 @@ class LookupHybrid(SpeculativeStrategy):
             raise SpecdecError(f"strategy.inner ({self.inner.name}) drafts nothing; give it a drafter")
         lookup = PromptLookupProposer(self.ngram_min, self.ngram_max, self.num_draft_tokens, 1, 1, False,
                                       self.engine.max_len, self.costs)
-        self.last_proposer = LookupFirst(lookup, model, SitOutGate(self.meter, self.probe_every, self.costs))
+        self.last_proposer = LookupFirst(lookup, model, SitOutGate(self.meter, self.probe_every, self.costs),
+                                        device=self.engine.device)
         return self.last_proposer
 
     def accept(self, proposal: Proposal, logits: Tensor, state: DecodeState) -> Verdict:
