@@ -58,6 +58,8 @@ class StaticEngine:
                                    "add model.matmul=torch")
             self.cache: KVCache = model.new_cache(max_len + BUCKETS[-1])  # room for a padded last step
             self.static = StaticStep(model, self.cache, compile=compile)
+            if compile:  # every bucket traced now: no decode step, timed or not, pays for compiling
+                self.static.warm_up()
         else:
             self.cache = model.new_cache(max_len)
         self._arange = torch.arange(max_len, device=self.device)

@@ -112,10 +112,12 @@ class StaticStep:
         # cudagraph outputs live in buffers the next replay overwrites; keep copies of the real rows
         return logits[0, :T].float().clone(), hidden[0, :T].clone()
 
-    def warm_up(self, sizes: tuple[int, ...] = BUCKETS) -> None:
+    def warm_up(self, sizes: tuple[int, ...] = BUCKETS, features: Tensor | None = None) -> None:
         """Trace (and capture) every bucket now, so that no decode step pays for compilation.
-        Writes only past the committed length, which stays as it was."""
+        Writes only past the committed length, which stays as it was. features (dim,): a feature
+        drafter's input row, repeated for every token."""
         length = self.cache.lengths[0]
         for b in sizes:
             if length + b <= self.size:
-                self(torch.zeros(b, dtype=torch.long, device=self.device), None, None, length)
+                extra = None if features is None else features.expand(b, -1)
+                self(torch.zeros(b, dtype=torch.long, device=self.device), None, None, length, extra)

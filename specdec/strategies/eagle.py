@@ -118,6 +118,8 @@ class EagleStrategy(SpeculativeStrategy):
         compiled = bool(getattr(target, "compile", False)) and getattr(self.net, "fused", None) is None
         self.cache = self.net.new_cache(max_len + (BUCKETS[-1] if compiled else 0))
         self.static = StaticStep(self.net, self.cache) if compiled else None  # type: ignore[arg-type]
+        if self.static is not None:
+            self.static.warm_up(features=torch.zeros(self.net.args.dim, device=self.net.device))
         self.schedule = schedule if schedule is not None else Confidence(0.4, 3)
         self.schedule.calibrate(self.engine)
         self.last_proposer: EagleProposer | None = None
