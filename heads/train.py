@@ -62,6 +62,8 @@ from specdec.cli_checks import CONFIG_DIR
 from specdec.errors import SpecdecError
 from specdec.models.loader import DTYPES, LoadedModel
 
+DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+
 CHECKPOINTS = "checkpoints"
 
 
@@ -373,6 +375,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         # costs less than the data it buys. The hidden states then come from that copy too.
         generator = target if gen_dtype == str(cfg.model.dtype) else instantiate(
             cfg.model, device=str(accelerator.device), dtype=gen_dtype, matmul="torch")
+        gen_dtype = DTYPE_NAMES[generator.dtype]  # `auto` resolved, for the card
         distill = build_distill_dataset(generator, **data_cfg, log=say)
         del generator
         data, store = distill.data, None

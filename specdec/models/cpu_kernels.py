@@ -18,6 +18,10 @@ weight widened exactly to float32 in registers, so a draft step costs ~0.7x (the
 Or as int8 with a float32 scale per output column (`kind="int8"`): a quarter of the bytes; the
 kernel sums x * q exactly as floats and multiplies by the column's scale once, at the store.
 
+The panels are the only copy of W a model keeps (NumbaLinear; a tied embedding reads its rows from the
+output head's): passes over more than MAX_ROWS rows (prefill) run BLAS over W unpacked into a reused
+buffer (`matmul_panels`), bitwise the GEMM over a dense W.
+
 Exactness: every output is the chain y = fma(x[m, k], W[n, k], y) for k = 0, 1, ... in order (int8: then
 one multiply by the column's scale), in every kernel, whatever the number of rows, the vector width or
 the panel. So a row's result is bitwise the
@@ -27,7 +31,10 @@ on: a token's logits do not depend on how many tokens share its pass.
 
 from __future__ import annotations
 
+import ctypes
 import functools
+import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -257,6 +264,17 @@ if numba is not None:
                     r = min(T, M - m0)
                     _call_tile(tiles[r - 1], xa + 4 * m0 * ldx, ldx, wa, ya + 4 * m0 * ldy, ldy, K, p, p + 1)
 
+    @njit(cache=True)
+    def _regroup(panels, out):  # pragma: no cover - compiled
+        # out (K, P NB) = W^T row-major: out[k, p NB + j] = panels[p, k, j], runs of NB floats copied
+        # as they lie (no transposition, so several times faster than NumPy's strided copy). Serial: it
+        # runs between BLAS calls, and numba's worker threads woken there fight BLAS's spinning ones.
+        P, K, NB = panels.shape
+        for k in range(K):
+            for p in range(P):
+                for j in range(NB):
+                    out[k, p * NB + j] = panels[p, k, j]
+
     mm_into = njit(parallel=True, cache=True)(_mm_into)  # for Python callers
     # For other compiled functions to call (cpu_layer, heads/cpu_heads.py): the same code, never read from
     # numba's disk cache, so it is compiled together with each caller. A cached caller compiled against a
@@ -284,24 +302,93 @@ def describe() -> str:
     return f"tiles up to {isa.rows}x{isa.panel}, f32x{isa.width}, {isa.cpu}"
 
 
-def pack(w: np.ndarray, panel: int | None = None, kind: str = "fp32") -> np.ndarray:
+PANEL_DTYPES = {"fp32": np.dtype(np.float32), "bf16": np.dtype(np.uint16), "int8": np.dtype(np.int8)}
+
+
+def packed_shape(n: int, k: int, panel: int | None = None, kind: str = "fp32") -> tuple[int, int, int]:
+    """Shape of `pack`'s output for an (n, k) matrix."""
+    nb = panel or kernels().isa.panel
+    return -(-n // nb), k + (SCALE_ROWS if kind == "int8" else 0), nb
+
+
+def pack(w: np.ndarray, panel: int | None = None, kind: str = "fp32", out: np.ndarray | None = None) -> np.ndarray:
     """(N, K) float32 -> (ceil(N / NB), K, NB) panels, zero-padded past N: float32; bfloat16 bit patterns
     (uint16, rounded to nearest even: `to_bf16`); or int8 (`int8_rows`), each panel followed by its NB
-    column scales as SCALE_ROWS rows of bytes: (P, K + SCALE_ROWS, NB)."""
+    column scales as SCALE_ROWS rows of bytes: (P, K + SCALE_ROWS, NB).
+    `out`: an array of `packed_shape` and the kind's dtype (e.g. one layer of a stack) to pack into."""
     nb = panel or kernels().isa.panel
     n, k = w.shape
-    p = -(-n // nb)
+    shape = packed_shape(n, k, nb, kind)
+    if out is None:
+        out = np.empty(shape, dtype=PANEL_DTYPES[kind])
+    elif out.shape != shape or out.dtype != PANEL_DTYPES[kind]:
+        raise ValueError(f"pack into {out.dtype} {out.shape}: a {kind} ({n}, {k}) matrix needs {shape}")
+    p, full = shape[0], n // nb
+    if kind == "fp32":  # straight into place: no padded or transposed temporary of the whole matrix
+        w = np.asarray(w, dtype=np.float32)
+        out[:full] = w[:full * nb].reshape(full, nb, k).transpose(0, 2, 1)
+        if full < p:
+            out[full] = 0
+            out[full, :, :n - full * nb] = w[full * nb:].T
+        return out
     q, scales = int8_rows(w) if kind == "int8" else (w, None)
     padded = np.zeros((p * nb, k), dtype=q.dtype)
     padded[:n] = q
     panels = np.ascontiguousarray(padded.reshape(p, nb, k).transpose(0, 2, 1))
     if kind == "bf16":
-        return bf16_bits(panels)
-    if kind == "int8":
+        out[...] = bf16_bits(panels)
+    else:
         col = np.ones(p * nb, dtype=np.float32)
         col[:n] = scales
-        return np.concatenate([panels, col.reshape(p, 1, nb).view(np.int8).reshape(p, SCALE_ROWS, nb)], axis=1)
-    return panels
+        out[:, :k] = panels
+        out[:, k:] = col.reshape(p, 1, nb).view(np.int8).reshape(p, SCALE_ROWS, nb)
+    return out
+
+
+def _panel_values(block: np.ndarray) -> np.ndarray:
+    """Panels (p, K', NB) of any kind -> the float32 weights (p, K, NB) the kernels multiply by (bf16
+    widened, int8 times its column scale, exactly as `to_bf16` and `to_int8` give them)."""
+    kind = panel_kind(block)
+    if kind == "fp32":
+        return block
+    if kind == "bf16":
+        return (block.astype(np.uint32) << 16).view(np.float32)
+    k, nb = block.shape[1] - SCALE_ROWS, block.shape[2]
+    scales = np.ascontiguousarray(block[:, k:]).reshape(len(block), SCALE_ROWS * nb).view(np.float32)
+    return block[:, :k].astype(np.float32) * scales[:, None, :]  # one product per weight, as to_int8
+
+
+def _rows_block(panels: np.ndarray, start: int, stop: int) -> np.ndarray:
+    nb = panels.shape[2]
+    if start % nb:
+        raise ValueError(f"unpack from row {start}: rows start at a multiple of the panel width {nb}")
+    return panels[start // nb:-(-stop // nb)]
+
+
+def unpack(panels: np.ndarray, start: int, stop: int, out: np.ndarray | None = None) -> np.ndarray:
+    """Rows start..stop-1 (start a multiple of NB) of the (N, K) float32 matrix W that `pack` packed, as
+    the kernels multiply by it. `out`: a flat float32 buffer of at least K floats per row, the rows
+    rounded up to whole panels."""
+    block = _rows_block(panels, start, stop)
+    values = _panel_values(block)  # (p, K, NB)
+    p, k, nb = values.shape
+    w = np.empty(p * nb * k, dtype=np.float32) if out is None else out[:p * nb * k]
+    w.reshape(p, nb, k)[...] = values.transpose(0, 2, 1)
+    return w.reshape(p * nb, k)[:stop - start]
+
+
+def unpack_t(panels: np.ndarray, start: int, stop: int, out: np.ndarray | None = None) -> np.ndarray:
+    """Like `unpack`, transposed: W^T's columns start..stop-1 as a (K, stop - start) view of row-major
+    memory, which the panels give without a transposition (BLAS takes either layout alike)."""
+    block = _rows_block(panels, start, stop)
+    values = _panel_values(block)
+    p, k, nb = values.shape
+    wt = (np.empty(k * p * nb, dtype=np.float32) if out is None else out[:k * p * nb]).reshape(k, p * nb)
+    if values is block and numba is not None:
+        _regroup(block, wt)
+    else:
+        wt.reshape(k, p, nb)[...] = values.transpose(1, 0, 2)
+    return wt[:, :stop - start]
 
 
 def int8_rows(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -330,6 +417,23 @@ def bf16_bits(w: np.ndarray) -> np.ndarray:
 def to_bf16(w: np.ndarray) -> np.ndarray:
     """float32 values rounded to bfloat16 and widened back: exactly what the bf16 kernels multiply by."""
     return (bf16_bits(w).astype(np.uint32) << 16).view(np.float32)
+
+
+@functools.cache
+def _malloc_trim() -> Callable[[int], int] | None:
+    try:
+        return ctypes.CDLL(None).malloc_trim  # glibc
+    except (OSError, AttributeError, TypeError):
+        return None
+
+
+def release_freed_memory() -> None:
+    """Hand memory freed on the C heap back to the system. glibc keeps freed chunks of its heap mapped,
+    so swapping a model's matrices for packed ones (or back) would hold both copies until the end; a
+    no-op without glibc."""
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
 
 
 def panel_kind(panels: np.ndarray) -> str:
@@ -361,3 +465,42 @@ def matmul_wt(x: np.ndarray, w: np.ndarray, panels: np.ndarray) -> np.ndarray:
         return x @ w.T  # a transposed operand: no copy of w
     return matmul(x, panels, w.shape[0])
 
+
+# Above MAX_ROWS rows, `matmul_panels` unpacks W^T into a scratch buffer and runs BLAS on it: the whole
+# matrix where it fits in this many bytes (one GEMM, as before there were panels), else blocks of columns.
+BLOCK_BYTES = 8 << 20
+# Matrices of up to this many weights are unpacked as W, for exactly the GEMM over a dense W: OpenBLAS
+# runs products this small through kernels that sum in another order for each layout.
+SMALL_MATRIX = 1 << 18
+_scratch = threading.local()
+
+
+def _scratch_floats(size: int) -> np.ndarray:
+    buf = getattr(_scratch, "buf", None)
+    if buf is None or buf.size < size:
+        buf = _scratch.buf = np.empty(size, dtype=np.float32)
+    return buf
+
+
+def matmul_panels(x: np.ndarray, panels: np.ndarray, n_out: int) -> np.ndarray:
+    """x (M, K) @ W^T (M, n_out) with W held only as `pack` panels: the tile kernels for up to MAX_ROWS
+    rows; above (prefill), BLAS over W unpacked into a reused buffer, bitwise `matmul_wt` over a dense
+    W (tests/test_memory.py checks) without keeping that second copy. Larger matrices are unpacked as
+    W^T, which needs no transposition: BLAS's general GEMM, which products over that many rows take,
+    sums each output over k alike whichever the layout and the neighbouring columns."""
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    m, k = x.shape
+    if m <= MAX_ROWS:
+        return matmul(x, panels, n_out)
+    nb = panels.shape[2]
+    if n_out * k <= SMALL_MATRIX:
+        return x @ unpack(panels, 0, n_out, out=_scratch_floats(-(-n_out // nb) * nb * k)).T
+    per = min(-(-n_out // nb) * nb, max(nb, BLOCK_BYTES // (4 * k) // nb * nb))  # columns per GEMM
+    buf = _scratch_floats(per * k)
+    if per >= n_out:
+        return x @ unpack_t(panels, 0, n_out, out=buf)
+    y = np.empty((m, n_out), dtype=np.float32)
+    for start in range(0, n_out, per):
+        stop = min(n_out, start + per)
+        np.matmul(x, unpack_t(panels, start, stop, out=buf), out=y[:, start:stop])
+    return y

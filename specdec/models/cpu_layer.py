@@ -220,7 +220,7 @@ class FusedStack:
     conversion and numba's dispatch (a scratch timing of the draft: 0.22 ms per call from Python against
     0.15 ms inside it); a one-token SmolLM2-135M pass went from 22.9 to 18.8 ms with one call
     (experiments/pass_times.py, experiments/README.md). Stacking the layers' arrays makes that possible.
-    The linears' packed panels become views into the stacks (no second copy); norms and biases are
+    The linears' packed panels are views into the stacks (no second copy); norms and biases are
     copied, so build this after the weights are final, as NumbaLinear's packing already is.
     Rope angles come from one table per model, the same for every pass, so a token's numbers still
     do not depend on what shares its pass.
@@ -255,7 +255,7 @@ class FusedStack:
         need = int(positions.max()) + 1
         if need > len(self._rope):
             size = max(need, 2 * len(self._rope), 256)
-            freqs = model.rope(torch.arange(size, device=model.device)[None])  # (1, size, 1, D/2) complex
+            freqs = model.rope(torch.arange(size)[None])  # (1, size, 1, D/2) complex; CPU only
             self._rope = torch.view_as_real(freqs[0, :, 0]).numpy().copy()  # (size, D/2, 2)
         return self._rope[positions]
 
@@ -280,11 +280,25 @@ class FusedStack:
 
 
 def _stack_panels(linears: list) -> np.ndarray:
-    """One (L, ...) array of the linears' packed panels; each linear then reads its view of it."""
-    stacked = np.stack([lin.panels for lin in linears])
+    """One (L, ...) array of the linears' packed panels; each linear then reads its view of it.
+    Panels packed into one stack already (cpu_linear packs them so) are used as they are; others are
+    moved in one at a time, so at most one matrix is held twice."""
+    first = linears[0].panels
+    stack = first.base
+    if (isinstance(stack, np.ndarray) and stack.flags.c_contiguous and stack.dtype == first.dtype
+            and stack.shape == (len(linears), *first.shape)
+            and all(_address(lin.panels) == _address(stack[layer]) for layer, lin in enumerate(linears))):
+        return stack
+    stack = np.empty((len(linears), *first.shape), dtype=first.dtype)
     for layer, lin in enumerate(linears):
-        lin.panels = stacked[layer]
-    return stacked
+        stack[layer] = lin.panels
+        lin.panels = stack[layer]
+        cpu_kernels.release_freed_memory()
+    return stack
+
+
+def _address(a: np.ndarray) -> int:
+    return int(a.__array_interface__["data"][0])
 
 
 def _bias(linear: torch.nn.Module) -> np.ndarray:

@@ -10,6 +10,7 @@ from safetensors.torch import save_file
 
 from specdec.errors import SpecdecError
 from specdec.models.cache import build_folder_atomically, cache_root, sha256_file
+from specdec.models.cpu_kernels import release_freed_memory
 
 
 def convert_gguf(gguf: Path, out: Path) -> None:
@@ -47,4 +48,6 @@ def cached_gguf_folder(gguf: Path, name: str | None = None, sha256: str | None =
                            "check model.path or fetch the file again")
     digest = sha256 or sha256_file(gguf)
     final = cache_root() / "models" / f"{name or gguf.stem}-{digest[:12]}"
-    return build_folder_atomically(final, lambda tmp: convert_gguf(gguf, tmp))
+    folder = build_folder_atomically(final, lambda tmp: convert_gguf(gguf, tmp))
+    release_freed_memory()  # a conversion's model and state dicts, before the model loads
+    return folder

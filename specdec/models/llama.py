@@ -202,13 +202,14 @@ class Llama(nn.Module):
         self.lm_head = nn.Linear(args.dim, args.vocab_size, bias=False)
         self.register_buffer("inv_freq", rope_inv_freq(args), persistent=False)
 
+    # read off the final norm: under the CPU kernels the embedding's `weight` is rebuilt on each access
     @property
     def device(self) -> torch.device:
-        return self.embed.weight.device
+        return self.norm.weight.device
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.embed.weight.dtype
+        return self.norm.weight.dtype
 
     def new_cache(self, max_len: int, batch: int = 1) -> KVCache:
         a = self.args

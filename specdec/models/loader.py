@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
+from torch import Tensor
 
 from specdec.errors import SpecdecError
 from specdec.models import cpu_kernels
@@ -88,17 +90,56 @@ def _from_hub(repo: str, revision: str | None) -> Path:
     return folder
 
 
-def _load_safetensors(folder: Path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
+class Checkpoint(Mapping[str, Tensor]):
+    """A folder's safetensors tensors by name, each read from its shard when asked for and placed on
+    `device` in `dtype` at once; nothing is kept here. So a load holds the model's tensors plus the few
+    being fused, and a GPU load holds about one tensor in host memory, never the whole checkpoint."""
 
-    state: dict[str, torch.Tensor] = {}
-    for shard in sorted(folder.glob("*.safetensors")):
+    def __init__(self, folder: Path, dtype: torch.dtype, device: torch.device) -> None:
+        self.folder, self.dtype, self.device = folder, dtype, device
+        self.shards: dict[str, Path] = {}
+        for shard in sorted(folder.glob("*.safetensors")):
+            with self._open(shard) as f:
+                self.shards.update(dict.fromkeys(f.keys(), shard))
+
+    def _open(self, shard: Path) -> Any:
+        from safetensors import safe_open
+
+        # CUDA tensors come straight from the file; other devices (and ones safetensors does not know)
+        # through the host, a tensor at a time.
+        where = str(self.device) if self.device.type == "cuda" else "cpu"
         try:
-            state.update(load_file(str(shard)))
+            return safe_open(str(shard), framework="pt", device=where)
         except Exception as e:
-            raise SpecdecError(f"cannot read {shard}: {_one_line(e)[:160]} (truncated or corrupt; delete "
-                               f"{folder} and run again to rebuild or re-fetch it)") from e
-    return state
+            raise self._damaged(shard, e) from e
+
+    def _damaged(self, shard: Path, e: Exception) -> SpecdecError:
+        return SpecdecError(f"cannot read {shard}: {_one_line(e)[:160]} (truncated or corrupt; delete "
+                            f"{self.folder} and run again to rebuild or re-fetch it)")
+
+    def __getitem__(self, name: str) -> Tensor:
+        shard = self.shards[name]
+        # One open per tensor: safetensors maps the whole shard while it is open, and every page read
+        # through that mapping stays resident until it closes.
+        with self._open(shard) as f:
+            try:
+                t = f.get_tensor(name)
+            except Exception as e:
+                raise self._damaged(shard, e) from e
+        if t.device != self.device:
+            t = t.to(self.device)
+        if t.dtype != self.dtype:
+            return t.to(self.dtype)  # on the device: a GPU target's host never holds more than this tensor
+        return t.clone() if t.device.type == "cpu" else t  # CPU: our own memory, not the shard's mapping
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.shards
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.shards)
+
+    def __len__(self) -> int:
+        return len(self.shards)
 
 
 @dataclass
@@ -186,8 +227,7 @@ def load_model(name: str, path: str, backend: str = "compact", dtype: str = "aut
     if backend == "compact":
         with torch.device("meta"):
             model = Llama(LlamaArgs.from_hf(config))
-        state = {k: v.to(dtype=dt, device=dev) for k, v in _load_safetensors(folder).items()}
-        model.load_hf_state_dict(state)
+        model.load_hf_state_dict(Checkpoint(folder, dt, dev))  # type: ignore[arg-type]  # read as it fuses them
         model.eval().requires_grad_(False)
         if matmul not in ("auto", *MATMULS):
             raise SpecdecError(f"unknown model.matmul {matmul!r}; use auto, {', '.join(MATMULS)}")
@@ -204,6 +244,8 @@ def load_model(name: str, path: str, backend: str = "compact", dtype: str = "aut
             kind = matmul
             use_matmul(model, kind)
         threads = 1 if kind != "torch" else None
+        if dev.type == "cpu":
+            cpu_kernels.release_freed_memory()
     else:
         model = AutoModelForCausalLM.from_pretrained(folder, dtype=dt, use_safetensors=True,
                                                      trust_remote_code=trust_remote_code).to(dev).eval()
