@@ -75,7 +75,11 @@ def weight_bytes(model: torch.nn.Module) -> int:
     seen: set[int] = set()
     total = 0
     for name, module in model.named_modules():
-        tensors = [t for t in (getattr(module, "weight", None), getattr(module, "bias", None)) if t is not None]
+        panels = getattr(module, "panels", None)  # NumbaLinear: its panels are the matrix (`weight` is a copy)
+        if panels is not None:
+            tensors = [panels] + [t for t in (getattr(module, "bias", None),) if t is not None]
+        else:
+            tensors = [t for t in (getattr(module, "weight", None), getattr(module, "bias", None)) if t is not None]
         tensors += [t for t in (getattr(module, "weight_t", None),) if t is not None]  # NumpyLinear
         for t in tensors:
             key = t.__array_interface__["data"][0] if isinstance(t, np.ndarray) else t.data_ptr()
