@@ -252,7 +252,10 @@ def git_state() -> tuple[str | None, bool | None]:
         return None, None
     if head.returncode != 0 or status.returncode != 0 or not head.stdout.strip():
         return None, None
-    return head.stdout.strip(), bool(status.stdout.strip())
+    # results folders are what runs write, not what ran: a run writing inside the tree is not dirty for it
+    changed = [line for line in status.stdout.splitlines()
+               if line.strip() and not (line.startswith("??") and line[3:].startswith("experiments/results/"))]
+    return head.stdout.strip(), bool(changed)
 
 
 def cpu_name() -> str:
