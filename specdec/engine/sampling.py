@@ -111,11 +111,6 @@ def argmax_rows(logits: Tensor) -> list[int]:
     return logits.argmax(-1).tolist()
 
 
-@host_read
-def argmax_id(logits: Tensor) -> int:
-    """The greedy token of one row of logits (V,)."""
-    return argmax_rows(logits[None])[0]
-
 
 @host_read
 def sample(probs: Tensor, generator: torch.Generator | None) -> int:
