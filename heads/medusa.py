@@ -27,7 +27,7 @@ from __future__ import annotations
 import hashlib
 import json
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -158,6 +158,35 @@ class MedusaHeads(nn.Module):
             self.register_buffer("proj", w, persistent=False)  # (V', dim), frozen, not saved
         self.proj_panels: np.ndarray | None = None  # set by `use_cpu_kernels`
         self.block_panels: list[tuple[np.ndarray, np.ndarray]] | None = None  # per layer: (panels, biases (K, dim))
+        self.compiled: Callable[..., Any] | None = None  # set by `compile_steps`
+
+    def compile_steps(self) -> None:
+        """`model.compile`: the inference step as a static-shape graph, as the target's
+        (specdec/engine/static_step.py). Every head runs whatever the depth asked (the rows are sliced
+        after), the root enters as a device tensor (a host int would be a constant: one graph per token),
+        and `width` is a constant, so a strategy replays one graph (CUDA graphs on a GPU)."""
+        from specdec.engine.static_step import allow_many_graphs, compile_mode
+
+        allow_many_graphs()
+
+        self.compiled = torch.compile(self._top_all, mode=compile_mode(self.proj.device), fullgraph=True,
+                                      dynamic=False)
+
+    def _top_all(self, hidden: Tensor, root: Tensor | None, width: int) -> tuple[Tensor, Tensor]:
+        """(dim,) state, (1,) root id -> (K, width) ids in the full vocabulary, (K, width) float32 log-probs.
+        A batch of one: indexing with a 0-d tensor would be a data-dependent int to the compiler."""
+        logits = self.forward(hidden[None], root)[0].float()  # (K, V')
+        top = logits.topk(width, dim=-1)
+        return self.kept_ids[top.indices], top.values - torch.logsumexp(logits, dim=-1, keepdim=True)
+
+    def _compiled_top(self, hidden: Tensor, width: int, depth: int | None,
+                      root: int | None) -> tuple[Tensor, Tensor]:
+        assert self.compiled is not None
+        d = self.num_heads if depth is None else depth
+        # heads that ignore the root get None always: a tensor on one call and None on another would be two graphs
+        root_t = torch.tensor([root], device=self.proj.device) if self.reads_root and root is not None else None
+        ids, logp = self.compiled(hidden, root_t, width)
+        return ids[:d].clone(), logp[:d].clone()  # a CUDA graph's outputs are overwritten by its next replay
 
     def use_cpu_kernels(self, weights: str = "fp32", block_weights: str = "fp32") -> None:
         """Run the heads at inference through specdec's few-row CPU kernels, as the target does: the
@@ -286,12 +315,16 @@ class MedusaHeads(nn.Module):
         """(dim,) hidden state of the newest accepted token -> (depth, k) candidate ids in the full vocabulary
         from the first `depth` heads (all K by default): a tree `depth` deep has no use for deeper heads.
         `root`: the token the target chose after it, for heads that read it (`reads_root`)."""
+        if self.compiled is not None:
+            return self._compiled_top(hidden, k, depth, root)[0]
         return self.kept_ids[self._step_logits(hidden, depth, root).topk(k, dim=-1).indices]
 
     @torch.inference_mode()
     def topk_logprobs(self, hidden: Tensor, k: int, depth: int | None = None,
                       root: int | None = None) -> tuple[Tensor, Tensor]:
         """As `topk`, with each guess's log-probability under its head: (depth, k) ids, (depth, k) float32."""
+        if self.compiled is not None:
+            return self._compiled_top(hidden, k, depth, root)
         logits = self._step_logits(hidden, depth, root).float()
         top = logits.topk(k, dim=-1)
         return self.kept_ids[top.indices], top.values - torch.logsumexp(logits, dim=-1, keepdim=True)
@@ -378,6 +411,8 @@ def _for_inference(heads: MedusaHeads, target: LoadedModel, weights: str = "fp32
     heads.eval().requires_grad_(False)
     if target.matmul == "numba":
         heads.use_cpu_kernels(weights, block_weights)
+    elif target.compile:  # the torch path compiled, as the target's step
+        heads.compile_steps()
     return heads
 
 

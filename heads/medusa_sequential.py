@@ -26,6 +26,7 @@ guess: row k ranks head k's guesses after the top-1 path above it.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -63,6 +64,7 @@ class SequentialMedusaHeads(MedusaHeads):
         # Training only: False stops head k's loss from reaching the heads before it, so that head 0 (whose
         # guess every accepted path starts with) learns for itself alone. Not saved: inference is the same.
         self.chain_grad = True
+        self.compiled_node: Callable[..., tuple[Tensor, Tensor, Tensor]] | None = None  # set by `compile_steps`
 
     # -- training and batched use ------------------------------------------------------------------
 
@@ -165,22 +167,44 @@ class SequentialMedusaHeads(MedusaHeads):
         top = logits.topk(width)
         return self.kept_ids[top.indices], top.values - torch.logsumexp(logits, dim=-1)
 
+    def compile_steps(self) -> None:
+        """As `MedusaHeads.compile_steps`, and a tree node's step too: one graph per head (`k` and `width`
+        are constants, the parent's token a device tensor)."""
+        from specdec.engine.static_step import compile_mode
+
+        super().compile_steps()
+        self.compiled_node = torch.compile(self._node_top, mode=compile_mode(self.proj.device), fullgraph=True,
+                                           dynamic=False)
+
+    def _node_top(self, k: int, x: Tensor, e_root: Tensor, token: Tensor | None,
+                  width: int) -> tuple[Tensor, Tensor, Tensor]:
+        """Head k on one node (torch path): (dim,) input, root row, (1,) parent token -> the node's (dim,)
+        features and its children's (width,) ids and log-probs."""
+        f = self._stack(k, x, self._extra(k, e_root, None if token is None else self.root_rows[token][0]))
+        return (f, *self._top(f, k, width))
+
+    def _node(self, k: int, x: Tensor, e_root: Tensor, token: int | None, width: int,
+              state: Tensor) -> tuple[PathNode, Tensor, Tensor]:
+        if self.compiled_node is not None:
+            tok = None if token is None else torch.tensor([token], device=x.device)
+            f, ids, logp = (t.clone() for t in self.compiled_node(k, x, e_root, tok, width))  # replays reuse outputs
+            return PathNode(f, k, e_root, state), ids, logp
+        e_prev = None if token is None else self.root_rows[token]
+        node = PathNode(self._node_features(k, x, e_root, e_prev), k, e_root, state)
+        return (node, *self._top(node.features, k, width))
+
     @torch.inference_mode()
     def tree_start(self, hidden: Tensor, root: int, width: int) -> tuple[PathNode, Tensor, Tensor]:
         """The root's node and head 0's top-`width` guesses for its children: (width,) ids, (width,) log-probs."""
-        e_root = self._root_row(root)
         h = hidden.detach().to(self.proj.dtype)
-        node = PathNode(self._node_features(0, h, e_root, None), 0, e_root, h)
-        return (node, *self._top(node.features, 0, width))
+        return self._node(0, h, self._root_row(root), None, width, h)
 
     @torch.inference_mode()
     def tree_expand(self, parent: PathNode, token: int, width: int) -> tuple[PathNode, Tensor, Tensor]:
         """The node of `token` under `parent`, and the next head's top-`width` guesses for its children."""
         k = parent.head + 1
         x = parent.state if k == 1 and not self.cfg.chain_head0 else parent.features
-        node = PathNode(self._node_features(k, x, parent.root_row, self.root_rows[token]), k, parent.root_row,
-                        parent.state)
-        return (node, *self._top(node.features, k, width))
+        return self._node(k, x, parent.root_row, token, width, parent.state)
 
     def _step_logits(self, hidden: Tensor, depth: int | None, root: int | None = None) -> Tensor:
         """(dim,) -> (d, V'): each head after the top-1 path of the heads before it."""

@@ -109,8 +109,13 @@ class MedusaLoss(nn.Module):
 
 
 class MedusaTrainable:
-    name = "medusa"
+    """Medusa-1 heads, or with `sequential` Hydra's sequentially dependent heads (named so on disk)."""
+
     needs_hidden = True
+
+    @property
+    def name(self) -> str:
+        return "hydra" if self.sequential else "medusa"
 
     def __init__(self, num_heads: int = 4, num_layers: int = 1, projection: str = "shared",
                  head_vocab: int | None = 8192, decay: float = 0.8, prompt_weight: float = 0.0,

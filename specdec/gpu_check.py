@@ -236,7 +236,7 @@ def strategy_builders(models: Models, dtype: str, compiled: bool) -> dict[str, C
         return EagleTrainable(kept_vocab=0).build(t, None).net.eval()
 
     def heads(t: LoadedModel, sequential: bool = False) -> Any:
-        if sequential:  # each head continues the previous one along the path (Hydra-style)
+        if sequential:  # Hydra: each head continues the previous one along the path
             return medusa_heads(t, num_heads=3, num_layers=2, root_input=True, sequential=True, seed=3)
         return medusa_heads(t, num_heads=3, seed=0)
 
@@ -246,11 +246,11 @@ def strategy_builders(models: Models, dtype: str, compiled: bool) -> dict[str, C
         "draft_random": lambda t: DraftStrategy(t, "draft", draft(), FixedLength(4), n),
         "draft_self": lambda t: DraftStrategy(t, "draft", t, FixedLength(4), n),  # the target drafts: all accepted
         "draft_siblings": lambda t: DraftStrategy(t, "draft", draft(), CostAware(max_gamma=6, siblings=2), n),
-        "medusa_tree": lambda t: Medusa(t, max_len=n, heads=heads(t), tree="default"),
-        "medusa_dynamic_copy": lambda t: Medusa(t, max_len=n, heads=heads(t), tree="dynamic", nodes=6,
-                                                copy_tokens=8),
-        "medusa_sequential": lambda t: Medusa(t, max_len=n, heads=heads(t, sequential=True), tree="dynamic",
-                                              nodes=6),
+        "medusa": lambda t: Medusa(t, max_len=n, heads=heads(t), tree="default"),
+        "medusa_dynamic": lambda t: Medusa(t, max_len=n, heads=heads(t), tree="dynamic", nodes=6),
+        "hydra": lambda t: Medusa(t, "hydra", max_len=n, heads=heads(t, sequential=True), tree="dynamic", nodes=6),
+        "hydra_copy": lambda t: Medusa(t, "hydra_copy", max_len=n, heads=heads(t, sequential=True), tree="dynamic",
+                                       nodes=6, copy_tokens=8),
         "eagle_random": lambda t: EagleStrategy(t, "eagle", eagle_net(t), FixedLength(3), n),
         "prompt_lookup": lambda t: PromptLookup(t, max_len=n, num_draft_tokens=7),
         "prompt_lookup_tree": lambda t: PromptLookup(t, max_len=n, num_draft_tokens=4, num_candidates=3,
@@ -260,8 +260,8 @@ def strategy_builders(models: Models, dtype: str, compiled: bool) -> dict[str, C
             DraftStrategy, name="draft", draft=draft(), schedule=FixedLength(4)), n),
         "eagle_lookup": lambda t: LookupHybrid(t, "eagle_lookup", partial(
             EagleStrategy, name="eagle", drafter=eagle_net(t), schedule=FixedLength(3)), n),
-        "medusa_lookup": lambda t: LookupHybrid(t, "medusa_lookup", partial(
-            Medusa, name="medusa", heads=heads(t), tree="dynamic", nodes=4), n),
+        "hydra_lookup": lambda t: LookupHybrid(t, "hydra_lookup", partial(
+            Medusa, name="hydra", heads=heads(t, sequential=True), tree="dynamic", nodes=4), n),
     }
 
 
@@ -391,7 +391,7 @@ def check_sampling_rules(models: Models) -> dict[str, Any]:
             "passed": all(v > MIN_P for v in pv.values()) and rate_ok}
 
 
-SAMPLED = ("greedy", "draft_random", "eagle_random", "prompt_lookup", "lookahead", "medusa_tree", "draft_lookup")
+SAMPLED = ("greedy", "draft_random", "eagle_random", "prompt_lookup", "lookahead", "medusa", "draft_lookup")
 
 
 def check_sampled_turns(models: Models) -> dict[str, Any]:

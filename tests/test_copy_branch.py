@@ -171,8 +171,10 @@ def test_typical_acceptance_gets_no_copy(looping: LoadedModel) -> None:
 
 
 def test_config_and_bad_settings(tiny_target: LoadedModel) -> None:
-    cfg = OmegaConf.load(CONFIG_DIR / "strategy" / "medusa.yaml")
-    assert cfg.copy_tokens > 0  # the shipped strategy copies
+    copy = OmegaConf.load(CONFIG_DIR / "strategy" / "hydra_copy.yaml")
+    assert copy.copy_tokens > 0 and copy.defaults[0] == "hydra"  # hydra_copy is hydra plus the copy
+    for plain in ("medusa", "hydra"):  # off by default: the names mean the papers' methods
+        assert OmegaConf.load(CONFIG_DIR / "strategy" / f"{plain}.yaml").get("copy_tokens", 0) == 0
     heads = medusa_heads(tiny_target, num_heads=2)
     assert not isinstance(Medusa(tiny_target, max_len=64, heads=heads).make_proposer(), CopyBranch)
     for bad in ({"copy_tokens": -1}, {"copy_tokens": 2, "ngram_min": 0}, {"copy_tokens": 2, "ngram_max": 0}):

@@ -56,7 +56,8 @@ def test_preset_contents() -> None:
     assert list(spec.strategies) == list(headline.strategies) and spec.data.name == "jsonl"
     assert Path(spec.data.path) == DATA_FILE  # found through ${specdec.repo:...}, not the working directory
     trained, trained_spec = composed("experiment=trained"), composed("experiment=trained_specbench")
-    assert list(trained.strategies) == list(trained_spec.strategies) == ["greedy", "draft", "hf_assisted", "medusa"]
+    assert list(trained.strategies) == list(trained_spec.strategies) == ["greedy", "draft", "hf_assisted", "medusa",
+                                                                         "hydra", "hydra_copy"]
     assert trained.data.name == "default" and Path(trained_spec.data.path) == DATA_FILE
     schedules = composed("experiment=draft_schedules")
     assert {composed(f"strategy={s}").strategy.schedule._target_.rsplit(".", 1)[1]

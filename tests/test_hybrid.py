@@ -168,7 +168,7 @@ def test_sampling_preserves_the_target_distribution(target: LoadedModel, route: 
 
 def test_configs_build_the_hybrids(target: LoadedModel) -> None:
     for name, inner in (("draft_lookup", "DraftStrategy"), ("eagle_lookup", "EagleStrategy"),
-                        ("medusa_lookup", "Medusa")):
+                        ("hydra_lookup", "Medusa")):
         cfg = OmegaConf.load(CONFIG_DIR / "strategy" / f"{name}.yaml")
         assert cfg.name == name and cfg.inner._target_.endswith(inner)
     cfg = OmegaConf.load(CONFIG_DIR / "strategy" / "draft_lookup.yaml")

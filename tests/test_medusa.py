@@ -479,7 +479,8 @@ def test_tuned_tree_is_the_tuners_file_for_this_model_else_the_default(tiny_targ
     import specdec.strategies.medusa as medusa_module
 
     heads = medusa_heads(tiny_target, num_heads=3, seed=4)
-    monkeypatch.setattr(medusa_module, "tuned_tree_path", lambda name: tmp_path / f"{name}-medusa.yaml")
+    monkeypatch.setattr(medusa_module, "tuned_tree_path",
+                        lambda name, heads_name="medusa": tmp_path / f"{name}-{heads_name}.yaml")
     fallback = Medusa(tiny_target, max_len=128, heads=heads, tree="tuned")
     assert fallback.tree_source == "default" and fallback.paths == load_tree("default", 3)
     (tmp_path / "tiny-llama-medusa.yaml").write_text("budget: 2\nchoices:\n- [0]\n- [0, 0]\n")

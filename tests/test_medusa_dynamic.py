@@ -136,7 +136,8 @@ def test_dynamic_trees_reproduce_greedy(tiny_target: LoadedModel, nodes: int, mi
 
 def test_medusa_config_builds_a_dynamic_tree_and_bad_settings_are_refused(tiny_target: LoadedModel) -> None:
     cfg = OmegaConf.load(CONFIG_DIR / "strategy" / "medusa.yaml")
-    cfg.heads.path = None
+    assert cfg.tree == "tuned" and cfg.copy_tokens == 0  # Medusa-1 as the paper: a fixed tree, no copy branch
+    cfg.heads.path, cfg.tree, cfg.copy_tokens = None, "dynamic", 8  # as hydra_copy builds its tree
     strategy = instantiate(cfg)(target=tiny_target, max_len=128, prefill_chunk=32)
     assert isinstance(strategy, Medusa) and strategy.tree == DynamicTree(cfg.nodes, cfg.width, cfg.min_prob)
     proposer = strategy.make_proposer()

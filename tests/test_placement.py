@@ -194,7 +194,7 @@ def strategies(saved: dict[str, Path]) -> dict[str, Callable[[LoadedModel], Spec
     def sequential(**kw: Any) -> Callable[..., Medusa]:
         heads = functools.partial(medusa_heads, num_heads=3, num_layers=2, root_input=True, sequential=True,
                                   head_vocab=KEPT, seed=5)
-        return functools.partial(Medusa, name="medusa_heads", heads=heads, **kw)
+        return functools.partial(Medusa, name="hydra", heads=heads, **kw)
 
     def hybrid(name: str, inner: Callable[..., SpeculativeStrategy]) -> Callable[[LoadedModel], LookupHybrid]:
         return lambda t: LookupHybrid(t, name, inner, MAX_LEN, CHUNK, num_draft_tokens=4)
@@ -208,8 +208,8 @@ def strategies(saved: dict[str, Path]) -> dict[str, Callable[[LoadedModel], Spec
         "eagle": eagle(),
         "medusa": medusa(tree="default", copy_tokens=3),
         "medusa_dynamic": medusa(tree="dynamic", size="cost", acceptance="exact"),
-        "medusa_heads": sequential(tree="dynamic", size="cost", copy_tokens=2),
-        "medusa_heads_fixed": sequential(tree="default"),
+        "hydra_copy": sequential(tree="dynamic", size="cost", copy_tokens=2),
+        "hydra_fixed": sequential(tree="default"),
     }
     built: dict[str, Callable[[LoadedModel], SpeculativeStrategy]] = {
         name: functools.partial(make, max_len=MAX_LEN, prefill_chunk=CHUNK) for name, make in plain.items()}
@@ -220,7 +220,7 @@ def strategies(saved: dict[str, Path]) -> dict[str, Callable[[LoadedModel], Spec
 
 
 NAMES = ["greedy", "prompt_lookup", "lookahead", "draft", "draft_lm", "eagle", "medusa", "medusa_dynamic",
-         "medusa_heads", "medusa_heads_fixed", "draft_lookup", "eagle_lookup", "medusa_lookup"]
+         "hydra_copy", "hydra_fixed", "draft_lookup", "eagle_lookup", "medusa_lookup"]
 
 
 def test_every_strategy_is_covered(saved: dict[str, Path]) -> None:
@@ -249,7 +249,7 @@ def _fake_out(target: LoadedModel, n: int, seed: int) -> ForwardOut:
     return ForwardOut(logits.to(target.device), hidden.to(device=target.device, dtype=target.dtype))
 
 
-@pytest.mark.parametrize("name", ["medusa", "medusa_dynamic", "medusa_heads", "medusa_heads_fixed"])
+@pytest.mark.parametrize("name", ["medusa", "medusa_dynamic", "hydra_copy", "hydra_fixed"])
 def test_medusa_proposers_propose_on_the_targets_device(lazy_target: LoadedModel, saved: dict[str, Path],
                                                         name: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Heads and proposers run from a hidden state on the device: any CPU tensor they made along the way

@@ -142,3 +142,22 @@ def test_every_strategy_decodes_the_same_tokens_compiled_and_eager(tiny_target: 
             want = eager.generate(p, params, 0).output_ids
             got = compiled_runs[name].generate(p, params, 0).output_ids
             assert got == want, name
+
+
+@pytest.mark.parametrize("kind", ["plain", "root", "sequential"])
+@pytest.mark.parametrize("tree", ["dynamic", "default"])
+def test_medusa_heads_compile_and_decode_the_eager_tokens(tiny_target: LoadedModel, compiled: LoadedModel,
+                                                           kind: str, tree: str) -> None:
+    opts = {"plain": {}, "root": {"root_input": True}, "sequential": {"root_input": True, "sequential": True}}[kind]
+
+    def medusa(target: LoadedModel) -> Medusa:
+        heads = medusa_heads(target, num_heads=3, seed=0, **opts)  # type: ignore[arg-type]
+        return Medusa(target, max_len=MAX_LEN, heads=heads, tree=tree, nodes=5, acceptance="exact")
+
+    eager, fast = medusa(tiny_target), medusa(compiled)
+    assert getattr(eager.heads, "compiled", None) is None and fast.heads.compiled is not None  # type: ignore[attr-defined]
+    graphs = counters["stats"]["unique_graphs"]  # every heads' graph was traced when the strategy was built
+    params = GenerationParams(24)
+    for p in list(prompts(tiny_target).values())[:3]:
+        assert fast.generate(p, params, 0).output_ids == eager.generate(p, params, 0).output_ids
+    assert counters["stats"]["unique_graphs"] == graphs, "the heads' step recompiled after warm-up"

@@ -49,6 +49,13 @@ class CacheView:
         return self.k[layer], self.v[layer]
 
 
+def allow_many_graphs() -> None:
+    """One traced graph per bucket and cache size, for the target and each drafter (and per heads object),
+    all of one function: dynamo's default of 8 per function would silently drop the rest back to eager."""
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 128)
+    torch._dynamo.config.accumulated_recompile_limit = max(torch._dynamo.config.accumulated_recompile_limit, 1024)
+
+
 def compiled_step(model: torch.nn.Module, compile: bool) -> Callable[..., tuple[Tensor, Tensor]]:
     """model.forward_static over (tokens, positions, slots, tree, k, v), compiled once per model (kept
     on it): every engine and strategy over the same model replays the same graphs."""
@@ -60,11 +67,7 @@ def compiled_step(model: torch.nn.Module, compile: bool) -> Callable[..., tuple[
             return model.forward_static(tokens, positions, slots, tree, CacheView(k, v), *extra)  # type: ignore[operator]
 
         device = next(model.parameters()).device
-        # one traced graph per bucket and cache size, for the target and each drafter, all of this one
-        # function: dynamo's default of 8 per function would silently drop the rest back to eager
-        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 128)
-        torch._dynamo.config.accumulated_recompile_limit = max(
-            torch._dynamo.config.accumulated_recompile_limit, 1024)
+        allow_many_graphs()
         fn = torch.compile(step, mode=compile_mode(device), fullgraph=True, dynamic=False) if compile else step
         model.__dict__[key] = fn
     return fn
@@ -89,7 +92,8 @@ class StaticStep:
         self.step = compiled_step(model, compile)
         self.compiled = compile
         self._arange = torch.arange(self.size, device=self.device)
-        self._tril = {b: torch.ones(b, b, dtype=torch.bool, device=self.device).tril() for b in BUCKETS}
+        with torch.inference_mode():  # as the masks a tree step builds: guards tell inference tensors apart
+            self._tril = {b: torch.ones(b, b, dtype=torch.bool, device=self.device).tril() for b in BUCKETS}
 
     @torch.inference_mode()  # grad mode is part of what a compiled graph is guarded on
     def __call__(self, tokens: Tensor, depth: Tensor | None, mask: Tensor | None,

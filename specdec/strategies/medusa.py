@@ -1,10 +1,13 @@
-"""`strategy=medusa`: K heads on the target's hidden state guess the next tokens as a token tree.
+"""Draft heads on the target's hidden state, verified as a token tree: `strategy=medusa` (Medusa-1, Cai et al.
+2024: independent heads), `strategy=hydra` (Ankner et al. 2024: sequentially dependent heads) and
+`strategy=hydra_copy` (Hydra's heads plus a copy branch). One class; the config names the heads and tree.
 
 Each step the heads read the hidden state of the newest accepted token; the tree's nodes are the
 heads' top-ranked guesses ("choices": one tuple of ranks per root-to-node path, head d filling depth
 d + 1). The shared loop verifies the whole tree in one target pass and keeps the longest accepted
-path. The tree is fixed (`strategy.tree`: a tuned file, `default`, `chain` or a list of paths) or, by
-default, `dynamic`: rebuilt every step from the heads' probabilities (`DynamicMedusaProposer`).
+path. The tree is fixed (`strategy.tree`: `tuned`, Medusa's sparse tree from the heads' measured rank
+accuracies, medusa's default; `default`, `chain` or a list of paths) or `dynamic`: rebuilt every step from
+the heads' probabilities (`DynamicMedusaProposer`; hydra's default).
 At temperature 0 acceptance is greedy (lossless). At temperature > 0 the default is Medusa's
 typical acceptance, which is faster but NOT distribution-preserving; `acceptance=exact` uses the
 exact multi-candidate rule of `specdec.verify` instead. With `copy_tokens` > 0 the context's own
@@ -95,9 +98,10 @@ class PathHeads(Heads, Protocol):
     def tree_expand(self, parent: Any, token: int, width: int) -> tuple[Any, Tensor, Tensor]: ...
 
 
-def tuned_tree_path(model_name: str) -> Path:
-    """Where `python -m heads.tree_tuning` writes the tree for a model (configs/tune_tree.yaml `out`)."""
-    return REPO_ROOT / "heads" / "trees" / f"{model_name}-medusa.yaml"
+def tuned_tree_path(model_name: str, heads_name: str = "medusa") -> Path:
+    """Where `python -m heads.tree_tuning` writes the tree for a model's heads (configs/tune_tree.yaml `out`);
+    `heads_name`: medusa, or hydra for sequential heads."""
+    return REPO_ROOT / "heads" / "trees" / f"{model_name}-{heads_name}.yaml"
 
 
 def chain_tree(depth: int) -> list[tuple[int, ...]]:
@@ -230,7 +234,8 @@ class Medusa(SpeculativeStrategy):
         if not (0 < epsilon <= 1 and delta > 0):
             raise SpecdecError(f"typical acceptance needs 0 < epsilon <= 1 and delta > 0, got {epsilon}, {delta}")
         if tree == "tuned":  # what heads.tree_tuning wrote for this model, else the hand-made tree
-            tuned = tuned_tree_path(target.name)
+            sequential = bool(getattr(getattr(self.heads, "cfg", None), "sequential", False))
+            tuned = tuned_tree_path(target.name, "hydra" if sequential else "medusa")
             tree = str(tuned) if tuned.is_file() else "default"
         self.tree_source = tree if isinstance(tree, str) else "paths"
         # nodes, width and min_prob shape only the dynamic tree; a fixed tree is its list of paths
@@ -257,6 +262,21 @@ class Medusa(SpeculativeStrategy):
             self.costs = [0.0, 1.0]
             for n in range(2, tree_nodes + 2):  # a bigger pass never counts as cheaper
                 self.costs.append(max(self.costs[-1], self.pass_costs[n]))
+        if getattr(self.heads, "compiled", None) is not None:
+            self.warm_up_heads()
+
+    @torch.inference_mode()  # decode steps pass inference tensors: guards tell them from plain ones
+    def warm_up_heads(self) -> None:
+        """Trace the heads' compiled steps now (model.compile), so that no decode step pays for it."""
+        heads: Any = self.heads
+        width = self.tree.width if isinstance(self.tree, DynamicTree) else 1 + max(p[-1] for p in self.tree)
+        hidden = torch.zeros(heads.cfg.hidden_size, device=heads.proj.device, dtype=heads.proj.dtype)
+        root = 0 if heads.reads_root else None
+        heads.topk_logprobs(hidden, width, root=root)
+        if isinstance(heads, PathHeads):
+            node, _, _ = heads.tree_start(hidden, 0, width)
+            for _ in range(1, heads.num_heads):
+                node, _, _ = heads.tree_expand(node, 0, width)
 
     @property
     def paths(self) -> list[tuple[int, ...]]:
@@ -294,6 +314,8 @@ class DynamicMedusaProposer(HeadsProposer):
     confident first head buys depth and an unsure one buys siblings (the idea of EAGLE-2's dynamic
     trees, applied to Medusa's heads). Paths below `min_prob` are left out, so unsure steps pass fewer
     tokens. Deterministic: the same heads give the same tree, and verification keeps any tree lossless.
+    Adaptive, so not device-resident: the heads' top-k are read on the host once per step, beside the
+    target's one read (a fixed tree, `MedusaProposer`, stays on the device).
     """
 
     def __init__(self, heads: Heads, tree: DynamicTree, room: Callable[[], int],
@@ -361,6 +383,7 @@ class PathMedusaProposer(DynamicMedusaProposer):
     still make the tree: a popped node offers a "children" entry scored with its own score (no child can
     beat its parent), and only popping that entry calls the heads. So a step makes at most `nodes`
     head calls, and fewer when siblings win. Exact: the same `nodes` best paths as computing every call.
+    Adaptive: each head call's guesses are read on the host, one read per expanded node.
     """
 
     heads: PathHeads
