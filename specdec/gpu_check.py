@@ -223,6 +223,7 @@ def strategy_builders(models: Models, dtype: str, compiled: bool) -> dict[str, C
     from heads.medusa import medusa_heads
     from specdec.strategies.draft import CostAware, DraftStrategy, FixedLength
     from specdec.strategies.eagle import EagleStrategy
+    from specdec.strategies.eagle_tree import Eagle2
     from specdec.strategies.greedy import Greedy
     from specdec.strategies.hybrid import LookupHybrid
     from specdec.strategies.lookahead import Lookahead
@@ -252,6 +253,7 @@ def strategy_builders(models: Models, dtype: str, compiled: bool) -> dict[str, C
         "hydra_copy": lambda t: Medusa(t, "hydra_copy", max_len=n, heads=heads(t, sequential=True), tree="dynamic",
                                        nodes=6, copy_tokens=8),
         "eagle_random": lambda t: EagleStrategy(t, "eagle", eagle_net(t), FixedLength(3), n),
+        "eagle2_random": lambda t: Eagle2(t, "eagle2", eagle_net(t), depth=3, topk=2, nodes=5, max_len=n),
         "prompt_lookup": lambda t: PromptLookup(t, max_len=n, num_draft_tokens=7),
         "prompt_lookup_tree": lambda t: PromptLookup(t, max_len=n, num_draft_tokens=4, num_candidates=3,
                                                      gate=False),

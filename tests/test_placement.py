@@ -39,6 +39,7 @@ from specdec.strategies import prompt_lookup as prompt_lookup_mod
 from specdec.strategies.base import DecodeState, GenerationParams, SpeculativeStrategy
 from specdec.strategies.draft import CostAware, DraftStrategy, FixedLength
 from specdec.strategies.eagle import EagleStrategy
+from specdec.strategies.eagle_tree import Eagle2
 from specdec.strategies.greedy import Greedy
 from specdec.strategies.hybrid import LookupHybrid
 from specdec.strategies.lookahead import Lookahead
@@ -206,6 +207,8 @@ def strategies(saved: dict[str, Path]) -> dict[str, Callable[[LoadedModel], Spec
         "draft": draft(),
         "draft_lm": lambda target, **kw: DraftStrategy(target, "draft_lm", target, FixedLength(3), **kw),
         "eagle": eagle(),
+        "eagle2": functools.partial(Eagle2, name="eagle2", drafter=load_eagle(str(saved["eagle"])), depth=2,
+                                    topk=2, nodes=3),
         "medusa": medusa(tree="default", copy_tokens=3),
         "medusa_dynamic": medusa(tree="dynamic", size="cost", acceptance="exact"),
         "hydra_copy": sequential(tree="dynamic", size="cost", copy_tokens=2),
@@ -219,7 +222,7 @@ def strategies(saved: dict[str, Path]) -> dict[str, Callable[[LoadedModel], Spec
     return built
 
 
-NAMES = ["greedy", "prompt_lookup", "lookahead", "draft", "draft_lm", "eagle", "medusa", "medusa_dynamic",
+NAMES = ["greedy", "prompt_lookup", "lookahead", "draft", "draft_lm", "eagle", "eagle2", "medusa", "medusa_dynamic",
          "hydra_copy", "hydra_fixed", "draft_lookup", "eagle_lookup", "medusa_lookup"]
 
 

@@ -23,6 +23,7 @@ from specdec.models.loader import LoadedModel, load_model
 from specdec.strategies.base import GenerationParams, SpeculativeStrategy
 from specdec.strategies.draft import DraftStrategy, FixedLength
 from specdec.strategies.eagle import EagleStrategy
+from specdec.strategies.eagle_tree import Eagle2
 from specdec.strategies.greedy import Greedy
 from specdec.strategies.hybrid import LookupHybrid
 from specdec.strategies.lookahead import Lookahead
@@ -121,6 +122,7 @@ def _strategies(target: LoadedModel, draft: LoadedModel) -> dict[str, Speculativ
         "medusa": Medusa(target, max_len=MAX_LEN, heads=medusa_heads(target, num_heads=3, seed=0), tree="default",
                          acceptance="exact"),
         "eagle": EagleStrategy(target, "eagle", eagle_net, FixedLength(3), MAX_LEN),
+        "eagle2": Eagle2(target, "eagle2", eagle_net, depth=3, topk=2, nodes=5, max_len=MAX_LEN),
         "draft_lookup": LookupHybrid(target, "draft_lookup", partial(DraftStrategy, name="draft", draft=draft,
                                                                      schedule=FixedLength(4)), MAX_LEN),
     }

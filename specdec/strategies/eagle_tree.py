@@ -1,0 +1,178 @@
+"""EAGLE-2's dynamic draft tree (Li et al. 2024b): `strategy=eagle2`.
+
+The drafter is EAGLE's (specdec/strategies/eagle.py, heads/eagle.py); what changes is what it drafts.
+Each round grows a tree one depth per drafter pass: the `topk` nodes of the newest depth with the highest
+score are expanded together in one pass (each reads its parent's guessed feature and its own token, and
+attends to the real prefix and its own ancestors only), and each gives `topk` children. A node's score
+is the product of the drafter's probabilities along its path, which EAGLE-2 found tracks the chance the
+target accepts it. After `depth` passes every node drafted is reranked by score and the best ones are
+verified in one target pass: `nodes` of them, or (`size=cost`) the prefix with the most expected tokens
+per unit of the measured verification cost. Children never score above their parents, so the kept set
+is a tree.
+
+Lossless: greedy tree verification at temperature 0; above it the tree's nodes are fixed choices, not
+draws, so verification uses the exact rule for deterministic candidates (`specdec.verify.verify_deterministic`:
+recursive rejection over siblings, the target's distribution preserved).
+
+Adaptive, so not device-resident: each depth's scores and tokens are read on the host once (one read
+per drafter pass), and the expansion passes run eager, since their mask spans the drafter's cache.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from specdec.engine.engine import pass_cost_curve
+from specdec.engine.kv_cache import KVCache
+from specdec.engine.static_step import BUCKETS, StaticStep
+from specdec.errors import SpecdecError
+from specdec.ngram import as_tokens
+from specdec.strategies.base import DecodeState, Proposer
+from specdec.strategies.draft import FixedLength
+from specdec.strategies.eagle import EagleDraftNet, EagleProposer, EagleStrategy, TrainedEagle
+from specdec.verify import Proposal
+
+
+@dataclass
+class Node:
+    token: int  # target id
+    parent: int  # index in the round's node list, -1 for a child of the root
+    score: float  # log-probability of the path under the drafter
+    depth: int  # 1 for the root's children
+    slot: int | None = None  # drafter cache slot once expanded
+    feature: Tensor | None = field(default=None, repr=False)  # (D,) guessed feature after it, once expanded
+
+
+class EagleTreeProposer(EagleProposer):
+    """EAGLE's pair bookkeeping (catch-up on real features, rollback of guesses) with a dynamic tree."""
+
+    def __init__(self, net: EagleDraftNet, cache: KVCache, depth: int, topk: int, nodes: int,
+                 room: Callable[[], int], costs: list[float] | None, static: StaticStep | None = None) -> None:
+        super().__init__(net, cache, _NO_ROUND, static=static)  # type: ignore[arg-type]
+        self.depth, self.topk, self.nodes, self.costs = depth, topk, nodes, costs
+        self.room_fn = room
+        self.root_feature: Tensor | None = None  # (D,) the drafter's guess of the root's feature
+
+    def _ids(self, rows: Tensor) -> Tensor:
+        ids = self.net.token_ids
+        return rows if ids is None else ids.to(rows.device)[rows]
+
+    def _children(self, logits: Tensor) -> tuple[list[list[int]], list[list[float]]]:
+        """(n, K) drafter logits -> each row's top-k target ids and log-probs, read on the host together."""
+        logp = torch.log_softmax(logits.float(), dim=-1)
+        top = logp.topk(min(self.topk, logp.shape[-1]), dim=-1)
+        both = torch.cat([self._ids(top.indices).double(), top.values.double()], dim=-1).tolist()
+        k = top.indices.shape[-1]
+        return [[int(t) for t in r[:k]] for r in both], [r[k:] for r in both]
+
+    def _expand(self, frontier: list[Node], tree: list[Node], start: int, prefix: int) -> Tensor:
+        """One drafter pass over `frontier` (same depth), each attending to the prefix's `prefix` slots, its
+        expanded ancestors and itself; writes their slots and guessed features; (n, K) logits."""
+        device, n = self.net.device, len(frontier)
+        length = self.cache.lengths[0]
+        mask = torch.zeros(1, 1, n, length + n, dtype=torch.bool, device=device)
+        mask[0, 0, :, :prefix] = True
+        for i, node in enumerate(frontier):
+            a = node.parent
+            while a >= 0:
+                mask[0, 0, i, tree[a].slot] = True  # type: ignore[index]
+                a = tree[a].parent
+            mask[0, 0, i, length + i] = True
+        tokens = torch.tensor([node.token for node in frontier], device=device)[None]  # (1, n)
+        features = torch.stack([self._parent_feature(node, tree) for node in frontier])[None]  # (1, n, D)
+        positions = torch.full((1, n), start + frontier[0].depth - 1, device=device)
+        logits, guess = self.net(tokens, features, positions, self.cache, mask)
+        for i, node in enumerate(frontier):
+            node.slot, node.feature = length + i, guess[0, i]
+        return logits[0]
+
+    def _parent_feature(self, node: Node, tree: list[Node]) -> Tensor:
+        feature = self.root_feature if node.parent < 0 else tree[node.parent].feature
+        assert feature is not None
+        return feature
+
+    def propose(self, state: DecodeState) -> Proposal | None:
+        L = len(state.ids)
+        spare = BUCKETS[-1] if self.static is not None else 0
+        useful = state.params.max_new_tokens - state.output_len - 1  # deeper nodes could never be kept
+        depth = min(self.depth, useful, self.cache.max_len - spare - L - self.topk * self.depth)
+        budget = min(self.nodes, self.room_fn())
+        assert self.pending is not None and len(self.pending) == L - 1 - self.fed, "drafter out of step"
+        if depth < 1 or budget < 1:
+            return None
+        logits, self.root_feature = self._run(state.ids[self.fed + 1:L], self.pending, self.fed)  # catch up
+        self.fed, self.pending = L - 1, self.pending[:0]
+        ids, logps = self._children(logits[None])
+        tree = [Node(t, -1, lp, 1) for t, lp in zip(ids[0], logps[0])]
+        frontier = list(range(len(tree)))  # indices of the newest depth's nodes
+        for _ in range(depth - 1):
+            best = sorted(frontier, key=lambda i: -tree[i].score)[:self.topk]  # EAGLE-2: expand the surest
+            ids, logps = self._children(self._expand([tree[i] for i in best], tree, L - 1, self.fed))
+            frontier = []
+            for at, kid_ids, kid_lps in zip(best, ids, logps):
+                parent = tree[at]
+                for t, lp in zip(kid_ids, kid_lps):
+                    frontier.append(len(tree))
+                    tree.append(Node(t, at, parent.score + lp, parent.depth + 1))
+        return self._proposal(tree, budget)
+
+    def _proposal(self, tree: list[Node], budget: int) -> Proposal | None:
+        # rerank: a child never outscores its parent, and ties go to the shallower node, so any prefix is a tree
+        order = sorted(range(len(tree)), key=lambda i: (-tree[i].score, tree[i].depth))[:budget]
+        if self.costs is not None:  # the prefix with the most expected tokens per measured pass cost
+            best, best_rate, expected = 0, 1.0, 1.0
+            for n, i in enumerate(order, start=1):
+                expected += math.exp(tree[i].score)
+                if expected / self.costs[n + 1] > best_rate:
+                    best, best_rate = n, expected / self.costs[n + 1]
+            order = order[:best]
+        if not order:
+            return None
+        order.sort(key=lambda i: (tree[i].depth, -tree[i].score))  # parents before children
+        index = {i: k + 1 for k, i in enumerate(order)}
+        parents = [index[tree[i].parent] if tree[i].parent >= 0 else 0 for i in order]
+        return Proposal(as_tokens([tree[i].token for i in order]), parents)
+
+
+class _NoRound:
+    """EagleProposer's chain round, unused by the tree proposer (its commit still calls `learn`)."""
+
+    def learn(self, verdict: object) -> None:
+        return None
+
+
+_NO_ROUND = _NoRound()
+
+
+class Eagle2(EagleStrategy):
+    """EAGLE's drafter with EAGLE-2's dynamic tree: `depth` drafter passes, `topk` nodes expanded per depth
+    and children per node, the best `nodes` verified (`size=cost`: as many of them as pay for their pass)."""
+
+    def __init__(self, target: object, name: str, drafter: TrainedEagle | EagleDraftNet, depth: int = 4,
+                 topk: int = 4, nodes: int = 8, size: str = "fixed", max_len: int = 2048,
+                 prefill_chunk: int = 512) -> None:
+        if depth < 1 or topk < 1 or nodes < 1 or size not in ("fixed", "cost"):
+            raise SpecdecError(f"strategy=eagle2 needs depth >= 1, topk >= 1, nodes >= 1 and size fixed or cost; "
+                               f"got depth={depth}, topk={topk}, nodes={nodes}, size={size!r}")
+        super().__init__(target, name, drafter, FixedLength(depth), max_len, prefill_chunk)
+        if not getattr(self.engine, "supports_trees", False):
+            raise SpecdecError(f"strategy=eagle2 verifies token trees, which needs the compact model; {name} runs "
+                               "through transformers: use strategy=eagle (chains)")
+        self.depth, self.topk, self.nodes = depth, topk, nodes
+        self.costs: list[float] | None = None
+        if size == "cost":
+            measured = pass_cost_curve(self.engine, list(range(2, nodes + 2)))
+            self.costs = [0.0, 1.0]
+            for n in range(2, nodes + 2):  # a bigger pass never counts as cheaper
+                self.costs.append(max(self.costs[-1], measured[n]))
+
+    def make_proposer(self) -> Proposer:
+        room = lambda: self.engine.max_len - self.engine.length - 1  # noqa: E731
+        self.last_proposer = EagleTreeProposer(self.net, self.cache, self.depth, self.topk, self.nodes, room,
+                                               self.costs, static=self.static)
+        return self.last_proposer
