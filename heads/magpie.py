@@ -1,0 +1,203 @@
+"""`python -m heads.magpie`: training prompts the target writes itself (Magpie, Xu et al. 2024).
+
+An instruction-tuned model given only its chat template up to the start of a user turn completes a
+plausible user request. A system line names one of many domains, so the requests spread over them; with
+`--turns 2` the target answers (greedily) and is then given the user prefix again, which yields a
+follow-up. Sampling is seeded and batched on specdec's static cache, so one command regenerates the
+same file. Requests are cleaned (length, repeats, duplicates) and every one sharing a 13-word n-gram with
+an evaluation question shipped in the repository is dropped (heads/contamination.py). Nothing is read
+from any benchmark: the prompts come from the model alone.
+
+Output: jsonl (gzip with a .gz suffix), one conversation a line in OpenAI-messages form,
+{"messages": [{"role": "user", ...}, {"role": "assistant", ...}, {"role": "user", ...}], "domain": ...};
+heads.train reads it as a data source.
+
+    python -m heads.magpie --n 4000 --seed 0 --out heads/data/magpie-smollm2-135m.jsonl.gz
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from specdec.engine.sampling import SamplingParams, warp
+from specdec.errors import SpecdecError
+from specdec.models.cpu_linear import use_matmul
+from specdec.models.loader import LoadedModel
+
+DOMAINS = (
+    "Python programming", "JavaScript and web development", "SQL and databases", "shell scripting and Linux",
+    "algorithms and data structures", "arithmetic word problems", "algebra", "geometry", "probability",
+    "physics", "chemistry", "biology", "medicine and health", "history", "geography", "economics",
+    "personal finance", "law", "philosophy", "psychology", "literature", "creative writing", "poetry",
+    "editing and rewriting text", "summarizing documents", "translation between languages", "cooking",
+    "travel planning", "sports", "music", "films and television", "career advice", "email writing",
+    "education and studying", "environment and climate", "astronomy", "everyday technology help",
+    "business strategy", "marketing", "relationships and etiquette",
+)
+MARK = "\u2063MAGPIE\u2063"  # a string no template contains: where the user's text would go
+
+
+def _system(domain: str) -> str:
+    return f"You are a helpful assistant. The user asks you about {domain}."
+
+
+def turn_prefix(target: LoadedModel, messages: list[dict[str, str]]) -> list[int]:
+    """Token ids of the chat template over `messages` plus the opening of a new user turn, up to where its
+    text would start."""
+    text = target.tokenizer.apply_chat_template([*messages, {"role": "user", "content": MARK}], tokenize=False)
+    if MARK not in text:
+        raise SpecdecError(f"{target.name}'s chat template drops the user's text; Magpie needs a template that "
+                           "renders it (use an instruction-tuned model)")
+    return target.tokenizer.encode(text.split(MARK)[0], add_special_tokens=False)
+
+
+@torch.inference_mode()
+def complete(target: LoadedModel, prefixes: list[list[int]], max_new_tokens: int, params: SamplingParams,
+             generator: torch.Generator | None, stop: set[int]) -> list[list[int]]:
+    """Continuations of left-padded `prefixes` in one batch on a static cache: sampled under `params`
+    (greedy at temperature 0), each up to and excluding its first `stop` token."""
+    model, dev = target.model, target.device
+    B, W = len(prefixes), max(map(len, prefixes))
+    cache = model.new_cache(W + max_new_tokens, batch=B)
+    tokens = torch.zeros(B, W, dtype=torch.long)
+    positions = torch.zeros(B, W, dtype=torch.long)
+    valid = torch.ones(B, W + max_new_tokens, dtype=torch.bool)  # cache slots a query may read
+    for b, p in enumerate(prefixes):
+        pad = W - len(p)
+        tokens[b, pad:], positions[b, pad:] = torch.tensor(p), torch.arange(len(p))
+        valid[b, :pad] = False
+    causal = torch.ones(W, W, dtype=torch.bool).tril()
+    mask = ((causal[None] & valid[:, None, :W]) | torch.eye(W, dtype=torch.bool)[None])[:, None]  # (B, 1, W, W)
+    valid = valid.to(dev)
+    logits, _ = model(tokens.to(dev), positions.to(dev), cache, mask.to(dev), logits_from=W - 1)
+    pos = positions[:, -1].to(dev)
+    stops = torch.tensor(sorted(stop) or [-1], device=dev)
+    done = torch.zeros(B, dtype=torch.bool, device=dev)
+    out = []
+    for i in range(max_new_tokens):
+        last = logits[:, -1].float()  # (B, V)
+        if params.greedy:
+            nxt = last.argmax(-1)
+        else:
+            nxt = torch.multinomial(warp(last, params), 1, generator=generator)[:, 0]
+        out.append(nxt)
+        done |= torch.isin(nxt, stops)
+        if bool(done.all()) or i == max_new_tokens - 1:
+            break
+        pos = pos + 1
+        logits, _ = model(nxt[:, None], pos[:, None], cache, valid[:, None, None, :W + i + 1])
+    rows = torch.stack(out, 1).cpu().tolist()
+    return [row[:next((j for j, t in enumerate(row) if t in stop), len(row))] for row in rows]
+
+
+def clean(text: str, min_words: int = 4, max_words: int = 200) -> str | None:
+    """The request if it looks like one: long enough, not cut off mid-stream, not one phrase repeated."""
+    text = text.strip()
+    words = text.split()
+    if not min_words <= len(words) <= max_words:
+        return None
+    if len(set(words)) < len(words) / 3:  # a loop, not a request
+        return None
+    return text
+
+
+def generate(target: LoadedModel, n: int, seed: int = 0, turns: int = 1, batch_size: int = 32,
+             max_prompt_tokens: int = 96, max_answer_tokens: int = 160, temperature: float = 1.0,
+             top_p: float = 0.95, max_minutes: float | None = None) -> list[dict[str, Any]]:
+    """Up to `n` cleaned, deduplicated, decontaminated conversations of `turns` user turns."""
+    from heads.contamination import EvalIndex, evaluation_turns
+
+    if n < 1 or turns < 1 or batch_size < 1:
+        raise SpecdecError(f"magpie needs n, turns and batch_size >= 1; got {n}, {turns}, {batch_size}")
+    index = EvalIndex(evaluation_turns())
+    params, greedy = SamplingParams(temperature=temperature, top_p=top_p), SamplingParams(temperature=0.0)
+    stop = set(target.eos_ids) | {t for t in [target.tokenizer.convert_tokens_to_ids("<|im_end|>")] if t is not None}
+    gen = torch.Generator(device=target.device).manual_seed(seed)
+    seen: set[str] = set()
+    kept: list[dict[str, Any]] = []
+    start, batch_no = time.monotonic(), 0
+    use_matmul(target.model, "torch")  # batches of rows: torch's GEMMs beat the few-row kernels
+    try:
+        while len(kept) < n:
+            if max_minutes is not None and time.monotonic() - start > 60 * max_minutes:
+                break
+            domains = [DOMAINS[(batch_no * batch_size + b + seed) % len(DOMAINS)] for b in range(batch_size)]
+            convs: list[list[dict[str, str]]] = [[{"role": "system", "content": _system(d)}] for d in domains]
+            alive = list(range(batch_size))
+            for turn in range(turns):
+                asks = complete(target, [turn_prefix(target, convs[b]) for b in alive], max_prompt_tokens, params,
+                                gen, stop)
+                nxt = []
+                for b, ids in zip(alive, asks):
+                    text = clean(target.tokenizer.decode(ids, skip_special_tokens=True))
+                    if text is not None and index.clean(text) and " ".join(text.lower().split()) not in seen:
+                        convs[b].append({"role": "user", "content": text})
+                        nxt.append(b)
+                alive = nxt
+                if turn + 1 < turns and alive:  # the target's own answer, then a follow-up request
+                    answers = complete(target, [target.chat_ids(convs[b]) for b in alive], max_answer_tokens,
+                                       greedy, None, stop)
+                    for b, ids in zip(alive, answers):
+                        convs[b].append({"role": "assistant",
+                                         "content": target.tokenizer.decode(ids, skip_special_tokens=True)})
+            for b in alive:
+                first = " ".join(convs[b][1]["content"].lower().split())
+                if first in seen:
+                    continue
+                seen.add(first)
+                kept.append({"messages": convs[b][1:], "domain": domains[b]})
+            batch_no += 1
+            print(f"magpie: {len(kept)}/{n} conversations after {batch_no} batches, "
+                  f"{(time.monotonic() - start) / 60:.1f} min", file=sys.stderr, flush=True)
+    finally:
+        use_matmul(target.model, target.matmul)
+    return kept[:n]
+
+
+def write(rows: Sequence[dict[str, Any]], out: Path) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    text = "".join(json.dumps(r, ensure_ascii=False, sort_keys=True) + "\n" for r in rows)
+    if out.suffix == ".gz":
+        out.write_bytes(gzip.compress(text.encode("utf-8"), mtime=0))  # mtime 0: the same bytes every run
+    else:
+        out.write_text(text, encoding="utf-8")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m heads.magpie", description=__doc__.split("\n")[0])
+    p.add_argument("--model", default="smollm2-135m", help="a model config name (configs/model/)")
+    p.add_argument("--n", type=int, default=4000)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--turns", type=int, default=1)
+    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--max-minutes", type=float, default=None)
+    p.add_argument("--out", type=Path, required=True)
+    a = p.parse_args(argv)
+    from hydra import compose, initialize_config_dir
+    from hydra.utils import instantiate
+
+    from specdec.cli_checks import CONFIG_DIR
+
+    try:
+        with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base=None):
+            target = instantiate(compose("run", overrides=[f"model={a.model}"]).model)
+        rows = generate(target, a.n, a.seed, a.turns, a.batch_size, max_minutes=a.max_minutes)
+    except SpecdecError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    write(rows, a.out)
+    print(f"wrote {len(rows)} conversations to {a.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
