@@ -19,6 +19,7 @@ from typing import Any
 
 from specdec import plots
 from specdec.errors import SpecdecError
+from specdec.specbench import add_specbench_speedup
 
 Summary = dict[str, Any]
 
@@ -141,6 +142,8 @@ def load_run(path: Path) -> Run:
         raise SpecdecError(f"{file} holds no per-strategy results; it is not a summary.json of python -m specdec.run")
     rows = _read_answers(path)
     _fill_from_answers(summary, rows or [])
+    if rows and not any("speedup_specbench" in s for s in summary["strategies"].values()):
+        add_specbench_speedup(summary, rows)  # an older run: no tokenizer here, recorded baseline tokens
     config = summary.get("config") or {}
     overrides = config.get("overrides") or _hydra_overrides(path)
     command = config.get("command")
@@ -250,8 +253,9 @@ def _p50(s: dict[str, Any], key: str) -> float | None:
     return (s.get(key) or {}).get("p50")
 
 
-OVERALL_HEADER = ("strategy", "tokens/s", "speedup", "speedup 95% CI", "tau", "alpha", "alpha per node",
-                  "lossless", "matches baseline", "TTFT p50 (ms)", "TPOT p50 (ms)", "predicted speedup", "turns")
+OVERALL_HEADER = ("strategy", "tokens/s", "speedup", "speedup 95% CI", "Spec-Bench speedup", "tau", "alpha",
+                  "alpha per node", "lossless", "matches baseline", "TTFT p50 (ms)", "TPOT p50 (ms)",
+                  "predicted speedup", "turns")
 
 
 def overall_table(summary: Summary) -> str:
@@ -261,6 +265,7 @@ def overall_table(summary: Summary) -> str:
         rows.append([
             name, _with_ci(s.get("tokens_per_s"), reps.get("tokens_per_s_ci95")),
             _with_ci(s.get("speedup"), reps.get("speedup_ci95")), interval(s.get("speedup_ci")),
+            fmt(s.get("speedup_specbench")),
             fmt(s.get("mean_accepted_tokens")), fmt(s.get("acceptance_rate")), fmt(s.get("alpha_per_node")),
             exactness(s), fmt(s.get("matches_baseline")),
             fmt(_p50(s, "ttft_distribution"), 1, 1000.0), fmt(_p50(s, "tpot_distribution"), 1, 1000.0),
@@ -394,6 +399,9 @@ def _run_section(run: Run, heading: str, out_dir: Path, suffix: str) -> list[str
               "tokens, for trees over the longest path of each step; alpha per node: accepted / every verified "
               "draft node; predicted speedup: tau relative to the baseline's over the relative cost of a decode step.",
               ""]
+    if s.get("specbench"):
+        lines += ["Spec-Bench speedup: Spec-Bench's mean over questions of tokens/s, the baseline's tokens "
+                  f"{s['specbench'].get('baseline_tokens')} (docs/specbench.md).", ""]
     if any("speedup_ci" in st for st in run.strategies.values()):
         lines += ["speedup 95% CI: percentile interval of a paired bootstrap over questions (both strategies' "
                   "answers to the same questions resampled together; no extra run).", ""]
