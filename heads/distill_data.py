@@ -22,6 +22,7 @@ import json
 import shutil
 import time
 from collections import defaultdict
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -32,6 +33,7 @@ import torch
 from heads.batch_generate import generate_with_hidden
 from heads.contamination import EvalIndex, check_clean, evaluation_turns
 from heads.instruction_prompts import instruction_prompts
+from heads.prompt_sources import Prompt
 from specdec.data import default_suite
 from specdec.errors import SpecdecError
 from specdec.models.cache import cache_root
@@ -108,10 +110,11 @@ def to_example(prompt: list[int], continuation: list[int]) -> dict[str, Any]:
     return {"input_ids": seq, "labels": labels, "prompt_len": len(prompt)}
 
 
-def _key(target: LoadedModel, prompts: list[str], max_new_tokens: int, chunk: int) -> str:
+def _key(target: LoadedModel, prompts: Sequence[Prompt], max_new_tokens: int, chunk: int) -> str:
+    text = "\0".join(p if isinstance(p, str) else json.dumps(p, sort_keys=True) for p in prompts)
     spec = {"v": VERSION, "model": target.folder.name, "dtype": str(target.dtype), "backend": target.backend,
             "max_new_tokens": max_new_tokens, "chunk": chunk,
-            "prompts": hashlib.sha256("\0".join(prompts).encode()).hexdigest()}
+            "prompts": hashlib.sha256(text.encode()).hexdigest()}
     return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:12]
 
 
@@ -169,7 +172,8 @@ def build_distill_dataset(target: LoadedModel, per_category: int = 70, seeds: tu
                           exclude_per_category: int = 20, exclude_seed: int = 0, max_prompts: int | None = None,
                           instructions: int = 0, max_new_tokens: int = 128, batch_size: int = 32,
                           chunk_batches: int = 2, max_minutes: float | None = None, torch_threads: int | None = 1,
-                          cache_dir: str | None = None, log: Any = print) -> DistillSet:
+                          cache_dir: str | None = None, log: Any = print,
+                          prompts: Sequence[Prompt] | None = None) -> DistillSet:
     """The distillation set for `target`; see the module docstring.
 
     Prompts are generated chunk by chunk (chunk_batches batches), each chunk saved with save_to_disk
@@ -177,11 +181,16 @@ def build_distill_dataset(target: LoadedModel, per_category: int = 70, seeds: tu
     settings: once spent, the chunks done so far are the dataset, so reruns see the same data; raising
     it later generates more. Generation runs with `torch_threads` threads: on a busy 2-core machine
     two spinning OpenMP workers made each decode step ~10x slower, one thread loses little.
+
+    `prompts`, when given, replaces the built-in ones (per_category, seeds, max_prompts and
+    instructions are then unused): strings are single user turns, message lists whole conversations
+    ending in a user turn (heads/prompt_sources.py, which also decontaminates them).
     """
     import datasets
 
-    prompts = distill_prompts(per_category, list(seeds), exclude_per_category, exclude_seed, max_prompts,
-                              instructions)
+    if prompts is None:
+        prompts = distill_prompts(per_category, list(seeds), exclude_per_category, exclude_seed, max_prompts,
+                                  instructions)
     if not prompts:
         raise SpecdecError("no distillation prompts left after excluding the benchmark; raise data.per_category")
     root = Path(cache_dir).expanduser() if cache_dir else cache_root() / "distill"
@@ -200,7 +209,8 @@ def build_distill_dataset(target: LoadedModel, per_category: int = 70, seeds: tu
                 log(f"distill: generation budget of {max_minutes} min spent; training on {s} of {len(prompts)} "
                     "prompts (raise data.max_minutes for more)")
                 break
-            ids = ids or [target.chat_ids([{"role": "user", "content": p}]) for p in prompts]
+            ids = ids or [target.chat_ids([{"role": "user", "content": p}] if isinstance(p, str) else p)
+                          for p in prompts]
             start = time.perf_counter()
             with torch_threads_ctx(torch_threads):
                 _generate_chunk(target, ids[s:s + chunk], max_new_tokens, batch_size, part)

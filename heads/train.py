@@ -29,12 +29,19 @@ Interface for a trainable drafter (`configs/head/NAME.yaml`, whose `_target_` bu
             # `meta`: training facts from the trainer (steps, minutes, loss, validation, full config).
             # `module` is unwrapped.
 
-The trainer (`train`) owns data (heads/distill_data.py), device placement and mixed precision
-(accelerate), the optimizer (AdamW over parameters with requires_grad), logging (logger=wandb|none),
-the time budget (`train.max_minutes`), a held-out validation and resumable checkpoints (trainable
-parameters + optimizer state in safetensors, counters in JSON, under OUTPUT/checkpoints/, resumed
-from the last one). OUTPUT defaults to heads/checkpoints/MODEL-NAME, NAME being the trainable's
-`name` attribute (its config need not set it).
+The trainer (`train`) owns data (heads/distill_data.py: the built-in prompts, or any `datasets` source
+with `data.source`, heads/prompt_sources.py), device placement, mixed precision and gradient
+accumulation (accelerate), the optimizer (AdamW over parameters with requires_grad), logging (a
+progress bar, logger=wandb|none), the stopping rule (`train.epochs` / `train.max_steps` /
+`train.max_minutes`), a held-out validation and resumable checkpoints (trainable parameters +
+optimizer state in safetensors, counters in JSON, under OUTPUT/checkpoints/, resumed from the last
+one). OUTPUT defaults to heads/checkpoints/MODEL-NAME, NAME being the trainable's `name` attribute
+(its config need not set it). docs/training.md is the user's guide.
+
+Terms: a *micro-batch* is what one forward/backward sees (`train.batch_size` sequences); a *step* is
+one optimizer update, over `train.grad_accum` micro-batches on each process (so an effective batch of
+batch_size x grad_accum x processes sequences). Steps are what max_steps, warmup_steps, the logs and
+checkpoints count.
 """
 
 from __future__ import annotations
@@ -56,6 +63,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, Sampler
+from tqdm import tqdm
 
 from heads.card import write_card
 from specdec.cli_checks import CONFIG_DIR
@@ -65,6 +73,11 @@ from specdec.models.loader import DTYPES, LoadedModel
 DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 CHECKPOINTS = "checkpoints"
+
+PRECISIONS = ("no", "bf16", "fp16", "fp8")  # accelerate's mixed_precision values
+
+# `data` keys of a `data.source` run (heads/prompt_sources.py); not distill_data's arguments
+SOURCE_KEYS = ("source", "split", "subset", "field", "turns", "shuffle")
 
 
 class Trainable(Protocol):
@@ -81,9 +94,9 @@ class Trainable(Protocol):
 
 @dataclass
 class TrainState:
-    step: int = 0
+    step: int = 0  # optimizer steps
     epoch: int = 0
-    batch_in_epoch: int = 0  # global batches of this epoch already trained on
+    batch_in_epoch: int = 0  # global micro-batches of this epoch already trained on
     elapsed_s: float = 0.0
     loss_ema: float | None = None
     first_loss: float | None = None
@@ -97,19 +110,36 @@ class TrainState:
 
 class LengthBatches(Sampler[list[int]]):
     """Batches of similar lengths (less padding), in an order fixed by (seed, epoch): a resumed run
-    skips exactly the batches it had trained on."""
+    skips exactly the (micro-)batches it had trained on.
+
+    With `split` > 1 (gradient accumulation) the batches are drawn at batch_size x split sequences and
+    each is cut into `split` consecutive micro-batches of batch_size, so that the optimizer steps see
+    the sequences one batch of batch_size x split would: `batch_size=4 grad_accum=2` trains like
+    `batch_size=8`. Accelerate steps after every `split` micro-batches and at the end of the data, so
+    every batch but the last must give exactly `split`: the short batches (one per pool) are joined
+    and cut again at the end of the epoch.
+    """
 
     def __init__(self, lengths: list[int], batch_size: int, seed: int, epoch: int, skip: int = 0,
-                 pool: int = 50) -> None:
+                 pool: int = 50, split: int = 1) -> None:
         g = torch.Generator().manual_seed(seed * 100_003 + epoch)
         perm = torch.randperm(len(lengths), generator=g).tolist()
         batches: list[list[int]] = []
-        span = batch_size * pool
+        size = batch_size * split
+        span = size * pool
         for s in range(0, len(perm), span):
             group = sorted(perm[s:s + span], key=lambda i: lengths[i])
-            batches += [group[j:j + batch_size] for j in range(0, len(group), batch_size)]
-        order = torch.randperm(len(batches), generator=g).tolist()
-        self.batches = [batches[i] for i in order][skip:]
+            batches += [group[j:j + size] for j in range(0, len(group), size)]
+        if split > 1:
+            rest = sorted((i for b in batches if len(b) < size for i in b), key=lambda i: lengths[i])
+            batches = [b for b in batches if len(b) == size]
+            order = torch.randperm(len(batches), generator=g).tolist()
+            batches = [batches[i] for i in order] + [rest[j:j + size] for j in range(0, len(rest), size)]
+        else:
+            order = torch.randperm(len(batches), generator=g).tolist()
+            batches = [batches[i] for i in order]
+        micro = [b[j:j + batch_size] for b in batches for j in range(0, len(b), batch_size)]
+        self.batches = micro[skip:]
 
     def __iter__(self):  # type: ignore[no-untyped-def]
         return iter(self.batches)
@@ -311,11 +341,75 @@ def lr_at(step: int, progress: float, lr: float, warmup_steps: int, min_lr_ratio
 
 
 def _config_key(cfg: DictConfig) -> str:
+    """What a checkpoint must have been made with to be resumed. Keys added since (data.source and
+    its options, train.grad_accum) count only away from their defaults, so that checkpoints made
+    before them still resume."""
     t = cfg.train
+    data = OmegaConf.to_container(cfg.data, resolve=True)
+    assert isinstance(data, dict)
+    if data.get("source") is None:
+        data = {k: v for k, v in data.items() if k not in SOURCE_KEYS}
+    train_keys = {k: t[k] for k in ("lr", "batch_size", "seq_len", "seed", "weight_decay", "val_fraction")}
+    if int(t.get("grad_accum") or 1) != 1:
+        train_keys["grad_accum"] = int(t.grad_accum)
     spec = {"model": OmegaConf.to_container(cfg.model, resolve=True), "head": OmegaConf.to_container(cfg.head),
-            "data": OmegaConf.to_container(cfg.data, resolve=True),
-            "train": {k: t[k] for k in ("lr", "batch_size", "seq_len", "seed", "weight_decay", "val_fraction")}}
+            "data": data, "train": train_keys}
     return hashlib.sha256(json.dumps(spec, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def mixed_precision_setting(value: Any) -> str | None:
+    """`train.mixed_precision` as accelerate's argument: None (accelerate decides: the environment's
+    ACCELERATE_MIXED_PRECISION, which `accelerate launch --mixed_precision` and a saved `accelerate
+    config` set, else "no") or one of PRECISIONS, which wins over the environment."""
+    if value is None:
+        return None
+    if value is False:  # YAML 1.1 reads a bare `no` as false
+        return "no"
+    name = str(value).lower()
+    if name not in PRECISIONS:
+        raise SpecdecError(f"train.mixed_precision={value!r} is not one of {', '.join(PRECISIONS)}; or give null "
+                           "for accelerate's setting")
+    return name
+
+
+def make_accelerator(t: DictConfig) -> Any:
+    """The run's Accelerator: mixed precision per `mixed_precision_setting`, gradient accumulation over
+    `train.grad_accum` micro-batches (accelerate's ACCELERATE_GRADIENT_ACCUMULATION_STEPS, set by
+    `accelerate launch --gradient_accumulation_steps`, wins over it, as accelerate does)."""
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
+
+    precision = mixed_precision_setting(t.get("mixed_precision"))
+    accum = int(t.get("grad_accum") or 1)
+    if accum < 1:
+        raise SpecdecError(f"train.grad_accum={accum}: give 1 (no accumulation) or more micro-batches per step")
+    # accelerate keeps one precision per process: a second train() in one process (tests, notebooks)
+    # would otherwise inherit the first one's, or be refused another. Not under a distributed launch,
+    # whose process group outlives the state.
+    if AcceleratorState._shared_state and not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        AcceleratorState._reset_state()
+    try:
+        return Accelerator(mixed_precision=precision, cpu=bool(t.cpu), gradient_accumulation_steps=accum)
+    except ValueError as e:
+        raise SpecdecError(f"accelerate refused the settings (train.mixed_precision={precision}, train.cpu={t.cpu}): "
+                           f"{' '.join(str(e).split())[:200]}") from None
+
+
+def _amend_card(card: Path, meta: dict[str, Any]) -> None:
+    """What heads/card.py does not say: a prompt source replacing the built-in prompts its data line
+    describes, and a budget of null meaning no time limit."""
+    text = card.read_text().replace("budget None min", "no time limit")
+    ps = meta.get("prompt_source")
+    if ps is not None:
+        text = text.replace("\n- Training:", (
+            f"\n- Prompts: replaced by data.source={ps['source']} (split {ps['split']}, turns {ps['turns']}): "
+            f"{ps['kept']} prompts from {ps['rows']} rows, {ps['contaminated']} dropped for sharing a 13-word "
+            "n-gram with evaluation questions\n- Training:"), 1)
+    card.write_text(text)
+
+
+def _num(v: float | None) -> str:
+    return "n/a" if v is None else f"{v:.4g}"
 
 
 def _log(logger: Any, metrics: dict[str, float], step: int) -> None:
@@ -349,13 +443,29 @@ def evaluate(trainable: Trainable, module: nn.Module, target: LoadedModel, loade
 
 def train(cfg: DictConfig) -> dict[str, Any]:
     """Build the data, train `cfg.head` on it within the budget, save the artifact; returns its metadata."""
-    from accelerate import Accelerator
-
     from heads.distill_data import build_distill_dataset
+    from heads.prompt_sources import source_prompts
 
     t = cfg.train
-    accelerator = Accelerator(mixed_precision=str(t.mixed_precision), cpu=bool(t.cpu))
+    # Stopping: max_steps, when set, replaces the epoch count; max_minutes (null: no time limit) stops
+    # whichever comes first. The learning rate decays over the planned steps or the time, whichever is
+    # further along.
+    budget_s = math.inf if t.max_minutes is None else float(t.max_minutes) * 60
+    max_steps = int(t.max_steps) if t.max_steps else None
+    epochs = math.inf if max_steps or t.epochs is None else int(t.epochs)
+    if epochs == math.inf and max_steps is None and budget_s == math.inf:
+        raise SpecdecError("train.epochs, train.max_steps and train.max_minutes are all null, so nothing ends the "
+                           "training; set one of them")
+    accelerator = make_accelerator(t)
     say = accelerator.print
+    accum = int(accelerator.gradient_accumulation_steps)
+    chosen = "train.mixed_precision" if t.get("mixed_precision") is not None else "accelerate's setting"
+    say(f"train: mixed precision {accelerator.mixed_precision} ({chosen}), {accum} micro-batch(es) per step, "
+        f"{accelerator.num_processes} process(es) on {accelerator.device}")
+    config = OmegaConf.to_container(cfg, resolve=True)  # as run: precision and accumulation resolved
+    assert isinstance(config, dict)
+    config["train"]["mixed_precision"] = accelerator.mixed_precision
+    config["train"]["grad_accum"] = accum
     if t.torch_threads:
         torch.set_num_threads(int(t.torch_threads))
     torch.manual_seed(int(t.seed))
@@ -365,6 +475,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     data_cfg = OmegaConf.to_container(cfg.data, resolve=True)
     assert isinstance(data_cfg, dict)
     data_cfg["seeds"] = tuple(data_cfg["seeds"])
+    source_cfg = {k: data_cfg.pop(k) for k in SOURCE_KEYS if k in data_cfg}
     gen_dtype = data_cfg.pop("dtype", None) or str(cfg.model.dtype)
     if gen_dtype not in (*DTYPES, "auto"):
         raise SpecdecError(f"unknown data.dtype {gen_dtype!r}; use null (the target's), auto or one of "
@@ -376,7 +487,16 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         generator = target if gen_dtype == str(cfg.model.dtype) else instantiate(
             cfg.model, device=str(accelerator.device), dtype=gen_dtype, matmul="torch")
         gen_dtype = DTYPE_NAMES[generator.dtype]  # `auto` resolved, for the card
-        distill = build_distill_dataset(generator, **data_cfg, log=say)
+        prompts, prompt_stats = None, None
+        if source_cfg.get("source") is not None:
+            prompts, prompt_stats = source_prompts(
+                str(source_cfg["source"]), split=str(source_cfg.get("split") or "train"),
+                subset=source_cfg.get("subset"), field=source_cfg.get("field"),
+                turns=str(source_cfg.get("turns") or "first"), max_prompts=data_cfg.get("max_prompts"),
+                shuffle=bool(source_cfg.get("shuffle", True)),
+                exclude_per_category=int(data_cfg["exclude_per_category"]), exclude_seed=int(data_cfg["exclude_seed"]),
+                log=say)
+        distill = build_distill_dataset(generator, **data_cfg, log=say, prompts=prompts)
         del generator
         data, store = distill.data, None
         if trainable.needs_hidden and distill.hidden is not None:
@@ -403,7 +523,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
 
     logger = instantiate(cfg.logger) if accelerator.is_main_process else None
     if logger is not None:
-        logger.start(OmegaConf.to_container(cfg, resolve=True), out_dir / CHECKPOINTS)
+        logger.start(config, out_dir / CHECKPOINTS)
     pad = target.tokenizer.pad_token_id or 0
     lengths = [len(x) for x in train_data["input_ids"]]
 
@@ -411,48 +531,69 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         return accelerator.prepare(DataLoader(dataset, batch_sampler=sampler,
                                               collate_fn=lambda rows: collate(rows, int(t.seq_len), pad, store)))
 
-    budget_s = float(t.max_minutes) * 60
-    max_steps = int(t.max_steps) if t.max_steps else None
-    per_epoch = math.ceil(len(LengthBatches(lengths, int(t.batch_size), 0, 0)) / accelerator.num_processes)
-    # max_steps, when set, replaces the epoch count; the learning rate decays over that plan or the time
-    epochs = math.inf if max_steps else int(t.epochs)
-    planned_steps = max_steps or max(1, int(t.epochs) * per_epoch)
+    micro_per_epoch = math.ceil(len(LengthBatches(lengths, int(t.batch_size), 0, 0, split=accum))
+                                / accelerator.num_processes)
+    steps_per_epoch = math.ceil(micro_per_epoch / accum)
+    planned_steps = max_steps or (max(1, int(epochs) * steps_per_epoch) if epochs != math.inf else None)
     clock = time.perf_counter() - state.elapsed_s
     last_save = time.perf_counter()
     module.train()
     done = state.epoch >= epochs
+    # The bar counts optimizer steps; under a time budget its total is the steps the budget allows
+    # at the pace so far, so its ETA is the run's. Not a terminal (a log file, a test): no bar, and a
+    # line every log_every steps instead.
+    bar = tqdm(total=planned_steps, initial=state.step, unit="step", dynamic_ncols=True,
+               desc=f"train {trainable.name}", disable=None if accelerator.is_main_process else True)
+    micro: list[float] = []  # losses of the micro-batches of the current step
+    micro_logs: dict[str, float] = {}
     while not done:
-        sampler = LengthBatches(lengths, int(t.batch_size), int(t.seed), state.epoch, skip=state.batch_in_epoch)
+        sampler = LengthBatches(lengths, int(t.batch_size), int(t.seed), state.epoch, skip=state.batch_in_epoch,
+                                split=accum)
         for batch in batches(train_data, sampler):
             elapsed = time.perf_counter() - clock
-            progress = max(elapsed / budget_s, state.step / planned_steps)
+            progress = max(elapsed / budget_s, state.step / planned_steps if planned_steps else 0.0)
             lr = lr_at(state.step, progress, float(t.lr), int(t.warmup_steps), float(t.min_lr_ratio))
             for group in optimizer.param_groups:
                 group["lr"] = lr
-            hidden = batch.pop("hidden", None)
-            if trainable.needs_hidden and hidden is None:
-                hidden = target_hidden(target, batch["input_ids"], batch["attention_mask"])
-            with accelerator.autocast():
-                loss, logs = trainable.loss(module, batch, hidden)
-            accelerator.backward(loss)
-            if t.grad_clip:
-                accelerator.clip_grad_norm_(params, float(t.grad_clip))
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            state.step += 1
+            with accelerator.accumulate(module):  # the prepared optimizer steps only when it syncs
+                hidden = batch.pop("hidden", None)
+                if trainable.needs_hidden and hidden is None:
+                    hidden = target_hidden(target, batch["input_ids"], batch["attention_mask"])
+                with accelerator.autocast():
+                    loss, logs = trainable.loss(module, batch, hidden)
+                accelerator.backward(loss)  # divided by grad_accum: the step's gradient is the mean
+                if accelerator.sync_gradients and t.grad_clip:
+                    accelerator.clip_grad_norm_(params, float(t.grad_clip))
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
             state.batch_in_epoch += accelerator.num_processes
-            value = float(loss.detach())
+            micro.append(float(loss.detach()))
+            for k, v in logs.items():
+                micro_logs[k] = micro_logs.get(k, 0.0) + v
+            if not accelerator.sync_gradients:
+                continue
+            state.step += 1
+            value = sum(micro) / len(micro)
+            logs = {k: v / len(micro) for k, v in micro_logs.items()}
+            micro, micro_logs = [], {}
             state.loss_ema = value if state.loss_ema is None else 0.95 * state.loss_ema + 0.05 * value
             state.first_loss = value if state.first_loss is None else state.first_loss
             state.recent_losses = [*state.recent_losses[-9:], value]
             state.elapsed_s = time.perf_counter() - clock
-            if state.step % int(t.log_every) == 0:
-                metrics = {"train/loss": value, "train/loss_ema": state.loss_ema, "train/lr": lr} | {
-                    f"train/{k}": v for k, v in logs.items()}
-                say(f"step {state.step} epoch {state.epoch} {state.elapsed_s / 60:.1f}min "
-                    + " ".join(f"{k.split('/')[-1]}={v:.4g}" for k, v in metrics.items()))
-                if logger is not None:
-                    _log(logger, metrics, state.step)
+            metrics = {"train/loss": value, "train/loss_ema": state.loss_ema, "train/lr": lr,
+                       "train/epoch": float(state.epoch)} | {f"train/{k}": v for k, v in logs.items()}
+            if logger is not None:
+                _log(logger, metrics, state.step)
+            if bar.disable:
+                if state.step % int(t.log_every) == 0:
+                    say(f"step {state.step} epoch {state.epoch} {state.elapsed_s / 60:.1f}min "
+                        + " ".join(f"{k.split('/')[-1]}={v:.4g}" for k, v in metrics.items() if k != "train/epoch"))
+            else:
+                if budget_s != math.inf:
+                    affordable = int(state.step * budget_s / max(state.elapsed_s, 1e-9))
+                    bar.total = max(state.step, min(planned_steps or affordable, affordable))
+                bar.set_postfix(loss=f"{value:.4g}", lr=f"{lr:.2e}", epoch=state.epoch, refresh=False)
+                bar.update(1)
             stop = state.elapsed_s >= budget_s or (max_steps is not None and state.step >= max_steps)
             if accelerator.num_processes > 1:  # every process must stop at the same step
                 stop = bool(accelerator.reduce(torch.tensor(float(stop), device=accelerator.device), "max"))
@@ -471,6 +612,11 @@ def train(cfg: DictConfig) -> dict[str, Any]:
             accelerator.wait_for_everyone()
             if accelerator.is_main_process:
                 save_checkpoint(out_dir, accelerator.unwrap_model(module), optimizer, state, config_key)
+    bar.close()
+    last_loss = sum(state.recent_losses) / len(state.recent_losses) if state.recent_losses else None
+    say(f"train: {state.step} steps ({state.epoch} epochs, {accum} micro-batch(es) of {int(t.batch_size)} per step "
+        f"and process) in {state.elapsed_s / 60:.1f} min; loss {_num(state.first_loss)} first, "
+        f"{_num(last_loss)} over the last {len(state.recent_losses)} steps")
     val: dict[str, float] = {}
     if val_data is not None:
         vlen = [len(x) for x in val_data["input_ids"]]
@@ -480,15 +626,20 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         if logger is not None:
             _log(logger, val, state.step)
     meta = {"steps": state.step, "epochs": state.epoch, "minutes": state.elapsed_s / 60,
-            "loss_ema": state.loss_ema, "first_loss": state.first_loss,
-            "last_loss": sum(state.recent_losses) / len(state.recent_losses) if state.recent_losses else None,
+            "loss_ema": state.loss_ema, "first_loss": state.first_loss, "last_loss": last_loss,
             "sequences": len(train_data), "target_tokens": tokens, "data_minutes": distill.minutes,
-            "data_dtype": gen_dtype,
-            "date": time.strftime("%Y-%m-%d %H:%M:%S"), "config": OmegaConf.to_container(cfg, resolve=True)} | val
+            "data_dtype": gen_dtype, "mixed_precision": accelerator.mixed_precision, "grad_accum": accum,
+            "date": time.strftime("%Y-%m-%d %H:%M:%S"), "config": config} | val
+    if prompt_stats is not None:
+        meta["prompt_source"] = {"source": str(source_cfg["source"]), "split": source_cfg.get("split"),
+                                 "turns": source_cfg.get("turns")} | asdict(prompt_stats)
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         trainable.save(accelerator.unwrap_model(module), out_dir, meta)
-        write_card(out_dir, trainable.name, target.name, meta)
+        _amend_card(write_card(out_dir, trainable.name, target.name, meta), meta)
+        log_checkpoint = getattr(logger, "log_checkpoint", None)  # W&B: the artifact folder as a `model` artifact
+        if log_checkpoint is not None:
+            log_checkpoint(out_dir, metadata={k: v for k, v in meta.items() if k != "config"})
         say(f"saved {trainable.name} for {target.name} to {out_dir} ({state.step} steps, "
             f"{state.elapsed_s / 60:.1f} min)")
     if logger is not None:
@@ -502,6 +653,20 @@ def _check_head(argv: list[str]) -> None:
         if key == "head" and not (CONFIG_DIR / "head" / f"{value}.yaml").is_file():
             names = ", ".join(sorted(p.stem for p in (CONFIG_DIR / "head").glob("*.yaml")))
             raise SpecdecError(f"unknown head {value!r}; choose one of: {names}")
+
+
+def data_alias(argv: list[str]) -> list[str]:
+    """`data=VALUE`, the short form: a preset of configs/train_data/ (`train_data=VALUE`), else a prompt
+    source (`data.source=VALUE`: a file, glob, folder or hub id). Without this, Hydra would read
+    `data=` as the benchmark's prompt-suite group (configs/data/), which training does not use."""
+    out = []
+    for arg in argv:
+        key, eq, value = arg.partition("=")
+        if key == "data" and eq:
+            preset = (CONFIG_DIR / "train_data" / f"{value}.yaml").is_file()
+            arg = f"train_data={value}" if preset else f"data.source={value}"
+        out.append(arg)
+    return out
 
 
 @hydra.main(version_base=None, config_path=str(CONFIG_DIR), config_name="train")
@@ -519,6 +684,7 @@ def hydra_main(cfg: DictConfig) -> None:
 
 
 def main() -> None:
+    sys.argv[1:] = data_alias(sys.argv[1:])
     try:
         _check_head(sys.argv[1:])
     except SpecdecError as e:

@@ -1,9 +1,13 @@
-"""`python -m heads.train`: distillation data, a short draft training, resume, the shipped artifact."""
+"""`python -m heads.train`: distillation data, a short draft training, resume, the shipped artifact, accelerate's
+precision, epochs without a time budget, gradient accumulation and W&B curves."""
 
 from __future__ import annotations
 
 import json
+import math
+import os
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -14,7 +18,7 @@ from omegaconf import DictConfig
 
 from heads.distill_data import distill_prompts, to_example
 from heads.draft_model import load_draft
-from heads.train import collate, target_hidden, train, with_cached_hidden
+from heads.train import LengthBatches, collate, make_accelerator, target_hidden, train, with_cached_hidden
 from specdec.cli_checks import CONFIG_DIR
 from specdec.data import default_suite
 from specdec.engine.engine import StaticEngine
@@ -141,9 +145,10 @@ def _final_params(out: Path) -> dict[str, torch.Tensor]:
     return load_file(str(last / "trainable.safetensors"))
 
 
-def test_resume_continues_from_the_checkpoint(tmp_path: Path, data_dir: Path) -> None:
+@pytest.mark.parametrize("accum", [1, 2])
+def test_resume_continues_from_the_checkpoint(tmp_path: Path, data_dir: Path, accum: int) -> None:
     # a constant learning rate, so that the schedule does not depend on where a run was told to stop
-    flat = ("train.warmup_steps=0", "train.min_lr_ratio=1.0")
+    flat = ("train.warmup_steps=0", "train.min_lr_ratio=1.0", f"train.grad_accum={accum}")
     whole = train(config(tmp_path / "a", data_dir, "train.max_steps=8", *flat))
     train(config(tmp_path / "b", data_dir, "train.max_steps=4", *flat))
     assert (tmp_path / "b" / "checkpoints" / "step-0000004" / "optimizer.safetensors").is_file()
@@ -220,3 +225,101 @@ def test_data_can_be_generated_at_another_precision(tmp_path: Path) -> None:
     assert low["data_dtype"] == "bf16" and "generated in bf16" in (tmp_path / "b" / "README.md").read_text()
     with pytest.raises(SpecdecError, match="unknown data.dtype 'half'"):
         train(config(tmp_path / "c", cache, "data.dtype=half"))
+
+
+# --------------------------------------------------------------------------------------------------
+# Precision, stopping, accumulation, logging
+# --------------------------------------------------------------------------------------------------
+
+
+def test_mixed_precision_is_accelerates_unless_set(tmp_path: Path, data_dir: Path,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    # what `accelerate launch --mixed_precision bf16` (or a saved accelerate config) sets for the script
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "bf16")
+    meta = train(config(tmp_path / "env", data_dir, "train.max_steps=2"))
+    assert meta["steps"] == 2 and meta["mixed_precision"] == "bf16"
+    assert "mixed precision bf16" in (tmp_path / "env" / "README.md").read_text()
+    explicit = train(config(tmp_path / "no", data_dir, "train.max_steps=1", "train.mixed_precision=no"))
+    assert explicit["mixed_precision"] == "no"  # an explicit value wins over accelerate's
+    monkeypatch.delenv("ACCELERATE_MIXED_PRECISION")
+    assert make_accelerator(config(tmp_path, data_dir).train).mixed_precision == "no"
+    assert make_accelerator(config(tmp_path, data_dir, "train.mixed_precision=bf16").train).mixed_precision == "bf16"
+    with pytest.raises(SpecdecError, match="train.mixed_precision='half' is not one of no, bf16, fp16"):
+        make_accelerator(config(tmp_path, data_dir, "train.mixed_precision=half").train)
+
+
+@pytest.mark.parametrize("batch, accum", [(2, 1), (2, 2)])
+def test_without_a_time_budget_epochs_end_the_run(tmp_path: Path, data_dir: Path, batch: int, accum: int) -> None:
+    meta = train(config(tmp_path / "a", data_dir, "train.max_minutes=null", "train.epochs=2",
+                        f"train.batch_size={batch}", f"train.grad_accum={accum}"))
+    assert meta["epochs"] == 2 and meta["grad_accum"] == accum
+    # one optimizer step per batch x accum sequences: accelerate steps after `accum` micro-batches
+    assert meta["steps"] == 2 * math.ceil(meta["sequences"] / (batch * accum))
+    with pytest.raises(SpecdecError, match="all null, so nothing ends the training"):
+        train(config(tmp_path / "b", data_dir, "train.max_minutes=null", "train.epochs=null"))
+
+
+def test_accumulation_batches_are_the_large_batches_cut() -> None:
+    lengths = [(i * 37) % 50 + 1 for i in range(16)]
+    large = LengthBatches(lengths, 8, seed=3, epoch=1).batches
+    micro = LengthBatches(lengths, 4, seed=3, epoch=1, split=2).batches
+    assert [a + b for a, b in zip(micro[::2], micro[1::2])] == large
+    # short batches (one per pool of 24) are joined at the end: every step but the last gets 3 micro-batches
+    odd = LengthBatches(list(range(1, 212)), 4, seed=0, epoch=0, pool=2, split=3).batches
+    assert [len(b) for b in odd] == [4] * (17 * 3) + [4, 3]
+    assert sorted(i for b in odd for i in b) == list(range(211))
+    assert LengthBatches(list(range(1, 212)), 4, seed=0, epoch=0, pool=2, split=3, skip=6).batches == odd[6:]
+
+
+def test_accumulated_micro_batches_train_like_one_large_batch(tmp_path: Path) -> None:
+    rows = [{"conversations": [{"from": "human", "value": f"Name {i} things that are {c}."}]}
+            for i in range(2, 6) for c in ("red", "round", "loud", "cold")]  # 16 prompts: two batches of 8
+    source = tmp_path / "prompts.jsonl"
+    source.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cache = tmp_path / "cache"
+
+    def run(out: str, *overrides: str) -> dict[str, Any]:
+        # 4-token replies, all kept tokens: every sequence has the same number of learnt tokens, so the
+        # mean of two micro-batches' mean losses is the large batch's mean loss
+        with initialize_config_dir(str(CONFIG_DIR), version_base=None):
+            cfg = compose("train", overrides=[
+                *tiny_train_overrides("draft", tmp_path / out, cache, max_new_tokens=4), "head.layers=1",
+                "head.init_layers=[0]", "head.kept_vocab=128", "head.kl_weight=0", f"data.source={source}",
+                "train.max_minutes=null", "train.epochs=2", "train.warmup_steps=0", "train.min_lr_ratio=1.0",
+                "train.lr=3e-3", "train.grad_clip=0", *overrides])
+        return train(cfg)
+
+    accumulated = run("a", "train.batch_size=4", "train.grad_accum=2")
+    large = run("b", "train.batch_size=8")
+    assert accumulated["target_tokens"] == 16 * 4 and accumulated["steps"] == large["steps"] == 4
+    assert accumulated["first_loss"] == pytest.approx(large["first_loss"], rel=1e-5)
+    assert accumulated["last_loss"] == pytest.approx(large["last_loss"], rel=1e-4)
+    a, b = _final_params(tmp_path / "a"), _final_params(tmp_path / "b")
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], atol=1e-5, rtol=1e-4)
+
+
+def test_wandb_gets_the_loss_of_every_step(tmp_path: Path, data_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    pytest.importorskip("wandb")
+    from test_wandb import read_records
+
+    for key in [k for k in os.environ if k.startswith("WANDB_")]:
+        monkeypatch.delenv(key)
+    out = tmp_path / "logged"
+    meta = train(config(out, data_dir, "train.max_steps=5", "logger=wandb", "logger.mode=offline"))
+    runs = list((out / "checkpoints" / "wandb").glob("offline-run-*"))
+    assert len(runs) == 1
+    records = read_records(next(runs[0].glob("run-*.wandb")))
+    losses: dict[int, float] = {}
+    for rec in records:
+        if rec.WhichOneof("record_type") != "history":
+            continue
+        items = {(i.key or "/".join(i.nested_key)): json.loads(i.value_json) for i in rec.history.item}
+        if "train/loss" in items:
+            losses[int(items.get("_step", rec.history.step.num))] = items["train/loss"]
+    assert sorted(losses) == [1, 2, 3, 4, 5]
+    assert losses[1] == pytest.approx(meta["first_loss"])
+    from specdec.loggers import WandbLogger
+
+    if hasattr(WandbLogger, "log_checkpoint"):  # the shipped folder as a `model` artifact
+        assert any(r.WhichOneof("record_type") == "artifact" and r.artifact.type == "model" for r in records)
