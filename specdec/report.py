@@ -19,6 +19,7 @@ from typing import Any
 
 from specdec import plots
 from specdec.errors import SpecdecError
+from specdec.results_index import portable
 from specdec.specbench import add_specbench_speedup
 
 Summary = dict[str, Any]
@@ -208,7 +209,7 @@ def sweep_axis(runs: Sequence[Run]) -> tuple[str, list[float]] | None:
 
 
 def _short(v: Any, width: int = 40) -> str:
-    text = v if isinstance(v, str) else json.dumps(v, default=str)
+    text = portable(v if isinstance(v, str) else json.dumps(v, default=str))  # no local folder in a report
     return text if len(text) <= width else text[: width - 3] + "..."
 
 
@@ -371,9 +372,9 @@ def environment_table(runs: Sequence[Run]) -> str:
 
 def _command(run: Run) -> str | None:
     if run.command:
-        return run.command
+        return portable(run.command)
     if run.overrides:
-        return "python -m specdec.run " + " ".join(run.overrides)
+        return portable("python -m specdec.run " + " ".join(run.overrides))
     return None
 
 

@@ -56,3 +56,11 @@ def test_no_summaries_is_one_clear_error(tmp_path: Path, capsys: pytest.CaptureF
 
 def test_portable_leaves_relative_text_alone() -> None:
     assert portable("tok/s 3/4 and a/b/c") == "tok/s 3/4 and a/b/c"
+
+
+def test_reports_print_no_local_absolute_path(tmp_path: Path) -> None:
+    from specdec.report import load_run, render
+
+    run = _summary(tmp_path, "c", "/home/someone/private/questions.jsonl")
+    text = render([load_run(run)], run)
+    assert "/home/someone" not in text and "<outside>/questions.jsonl" in text
