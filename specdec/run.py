@@ -15,7 +15,7 @@ import signal
 import sys
 import time
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -24,13 +24,22 @@ import torch
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from specdec.cli_checks import CONFIG_DIR, check_overrides, debug_requested, hydra_error_line, strategy_config
+from specdec.cli_checks import (
+    CONFIG_DIR,
+    check_overrides,
+    debug_requested,
+    hydra_error_line,
+    native_overrides,
+    run_searchpath,
+    strategy_config,
+)
 from specdec.data import Question, select
 from specdec.engine.sampling import SamplingParams
 from specdec.errors import SpecdecError
 from specdec.metrics import add_speedup_ci, lossless, summarize
 from specdec.models.loader import LoadedModel
 from specdec.results import AnswerLog, check_resume_key, earlier_strategy_configs
+from specdec.specbench import add_specbench_speedup
 from specdec.strategies.base import GenerationParams, Strategy
 
 
@@ -134,8 +143,9 @@ def _turn_seed(seed: int, question_id: str, turn: int, repeat: int) -> int:
 
 
 def _answer(strategy: Strategy, target: LoadedModel, q: Question, params: GenerationParams, seed: int,
-            log: AnswerLog, repeat: int) -> None:
-    """Answer every turn of q not yet on disk, each with this strategy's own conversation so far."""
+            log: AnswerLog, repeat: int, on_row: Callable[[dict[str, Any]], None] | None = None) -> None:
+    """Answer every turn of q not yet on disk, each with this strategy's own conversation so far;
+    `on_row` sees each new answer once it is on disk (the logger, as the turns happen)."""
     messages: list[dict[str, str]] = []
     for turn, text in enumerate(q.turns):
         messages.append({"role": "user", "content": text})
@@ -167,6 +177,8 @@ def _answer(strategy: Strategy, target: LoadedModel, q: Question, params: Genera
             "draft_time_s": res.draft_time_s, "repeat": repeat,
         }
         log.append(row)
+        if on_row is not None:
+            on_row(row)
         messages.append({"role": "assistant", "content": text_out})
 
 
@@ -340,6 +352,26 @@ def peak_rss_mb() -> float:
     return peak / 1024 / (1024 if sys.platform == "darwin" else 1)  # bytes on macOS, KiB on Linux
 
 
+def _wandb_grouping(names: list[str]) -> dict[str, Any]:
+    """Where this run sits among others, for the logger: the jobs of one multirun share a `group` (their
+    sweep folder, relative to where it was launched), `job_type` names the strategies compared, and
+    `job_name` the job (its number and overrides). Outside a multirun only job_type is set."""
+    from hydra.core.hydra_config import HydraConfig
+
+    grouping: dict[str, Any] = {"group": None, "job_type": ",".join(names), "job_name": None}
+    if not _in_multirun():
+        return grouping
+    hc = HydraConfig.get()
+    out = Path(str(hc.runtime.output_dir))
+    depth = len(Path(str(hc.sweep.subdir)).parts)
+    sweep = out.parents[depth - 1] if 0 < depth <= len(out.parents) else out
+    with contextlib.suppress(ValueError):
+        sweep = sweep.relative_to(Path(str(hc.runtime.cwd)))
+    grouping["group"] = sweep.as_posix()
+    grouping["job_name"] = " ".join([f"job{hc.job.num}", *hc.overrides.task])
+    return grouping
+
+
 def run(cfg: DictConfig) -> dict[str, Any]:
     """Run the configured strategies over the suite; write answers.jsonl and summary.json.
 
@@ -353,7 +385,8 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     baseline = cfg.baseline or names[0]
     if baseline not in names:
         raise SpecdecError(f"baseline={baseline} is not among strategies={names}; add it or pick one of them")
-    strategy_cfgs = {name: strategy_config(cfg, name) for name in names}
+    searchpath = run_searchpath(cfg)
+    strategy_cfgs = {name: strategy_config(cfg, name, searchpath) for name in names}
     questions = load_questions(cfg.data)
     log = AnswerLog(out_dir / "answers.jsonl")
     check_resume_key(out_dir, resume_key(cfg, strategy_cfgs), has_answers=log.count() > 0)
@@ -378,7 +411,14 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         args = config["overrides"] = list(HydraConfig.get().overrides.task)
     config["command"] = " ".join(["python -m specdec.run", *args])
     logger = build(cfg.logger)
-    logger.start(config, out_dir)
+    logger.start(config, out_dir, **_wandb_grouping(names))
+    logged = 0  # answers of this run the logger has seen
+
+    def log_turn(row: dict[str, Any]) -> None:
+        nonlocal logged
+        logger.log_turn(row)
+        logged += 1
+
     failures: dict[str, str] = {}
     interrupted = False
     try:
@@ -395,7 +435,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
                     order = names if (i + repeat) % 2 == 0 else names[::-1]
                     for name in order:
                         try:
-                            _answer(strategies[name], target, q, params, int(cfg.seed), log, repeat)
+                            _answer(strategies[name], target, q, params, int(cfg.seed), log, repeat, log_turn)
                         except SpecdecError as e:
                             where = f"{name}/{q.question_id}" + (f"/repeat{repeat}" if repeat else "")
                             failures[where] = str(e)
@@ -406,10 +446,11 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     finally:
         with _no_interrupts():
             log.refresh()
-            for row in log.new_rows:
+            for row in log.new_rows[logged:]:  # on disk but not yet logged (Ctrl-C between the two)
                 logger.log_turn(row)
             summary = summarize(log.rows(), baseline, params.sampling.temperature, names, config)
             add_speedup_ci(summary)
+            add_specbench_speedup(summary, log.rows(), target.tokenizer)  # Spec-Bench's definition
             config["environment"] |= kernel_target(target)  # a drafter may have compiled kernels since
             summary["environment"] = config["environment"]
             add_provenance(summary, ran | earlier_strategy_configs(out_dir, set(summary["strategies"]) - set(ran)),
@@ -531,6 +572,9 @@ def main() -> None:
     # With this set Hydra re-raises composition errors instead of printing them over several lines.
     os.environ["HYDRA_FULL_ERROR"] = "1"
     try:
+        # strategies.NAME.KEY=VALUE -> Hydra's own selection of NAME at strategy_configs.NAME, and its key
+        argv = native_overrides(argv)
+        sys.argv[1:] = argv
         check_overrides(argv)
         hydra_main()
     except JobFailed as e:
@@ -543,7 +587,9 @@ def main() -> None:
     except Exception as e:
         if debug:
             raise
-        print(f"error: {hydra_error_line(e, argv)}", file=sys.stderr)
+        # check_overrides' own errors are already one line that names the fix
+        line = " ".join(str(e).split()) if isinstance(e, SpecdecError) else hydra_error_line(e, argv)
+        print(f"error: {line}", file=sys.stderr)
         sys.exit(EXIT_USER)
 
 

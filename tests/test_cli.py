@@ -15,7 +15,17 @@ from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from specdec.cli_checks import CONFIG_DIR, options, strategy_config
+from specdec.cli_checks import (
+    CONFIG_DIR,
+    ENTRIES,
+    check_overrides,
+    group_config,
+    hydra_error_line,
+    native_overrides,
+    options,
+    strategy_config,
+    submitit_installed,
+)
 from specdec.errors import SpecdecError
 from specdec.loggers import NullLogger
 from specdec.models.loader import LoadedModel
@@ -186,15 +196,19 @@ def _mentions(cfg: DictConfig, text: str) -> bool:
     return text in json.dumps(OmegaConf.to_container(cfg, resolve=True), default=str)
 
 
-def test_a_strategy_file_over_another_reads_the_same_from_a_list(tmp_path: Path) -> None:
-    # medusa_heads.yaml is `defaults: [medusa, _self_]` plus its own keys: a run that lists it must see
-    # what Hydra composes for strategy=medusa_heads
-    alone = compose_run(["strategy=medusa_heads", f"output_dir={tmp_path}"])
-    listed = compose_run(["strategies=[greedy,medusa_heads]", f"output_dir={tmp_path}"])
-    assert "defaults" in OmegaConf.load(CONFIG_DIR / "strategy" / "medusa_heads.yaml")
-    got, want = strategy_config(listed, "medusa_heads"), strategy_config(alone, "medusa_heads")
-    assert got == want and got.copy_tokens == 0 and got.name == "medusa_heads"
-    assert got.heads == strategy_config(listed, "medusa").heads  # the rest is medusa's
+DERIVED = [n for n in options("strategy") if "defaults" in OmegaConf.load(CONFIG_DIR / "strategy" / f"{n}.yaml")]
+
+
+@pytest.mark.parametrize("name", DERIVED or ["greedy"])
+def test_a_strategy_file_over_another_reads_the_same_from_a_list(name: str, tmp_path: Path) -> None:
+    # e.g. `defaults: [medusa, _self_]` plus its own keys: listed, with or without an entry of its own, it
+    # must be what Hydra composes for strategy=NAME
+    alone = compose_run([f"strategy={name}", f"output_dir={tmp_path}"])
+    listed = compose_run([f"strategies=[greedy,{name}]", f"output_dir={tmp_path}"])
+    entry = compose_run([f"strategies=[greedy,{name}]", f"+strategy@{ENTRIES}.{name}={name}", f"output_dir={tmp_path}"])
+    want = strategy_config(alone, name)
+    assert strategy_config(listed, name) == want == strategy_config(entry, name)
+    assert want.name == name and want._partial_ is True
 
 
 @pytest.mark.parametrize(("group", "name"), GROUP_FILES, ids=[f"{g}={n}" for g, n in GROUP_FILES])
@@ -245,3 +259,160 @@ def test_every_config_composes(group: str, name: str, tiny_jsonl: Path, tiny_tar
         names = list(cfg.strategies or []) or [cfg.strategy.name]
         assert all(n in options("strategy") for n in names)
         assert cfg.baseline is None or cfg.baseline in names
+
+
+# --- listed strategies through Hydra's own composition ------------------------------------------------
+
+
+def compose_native(argv: list[str], hydra: bool = False) -> DictConfig:
+    """Compose as `python -m specdec.run ARGV` does: the shorthand turned into Hydra's spelling first."""
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base=None):
+        return compose("run", overrides=native_overrides(argv), return_hydra_config=hydra)
+
+
+def _plain(cfg: DictConfig) -> dict[str, Any]:
+    out = OmegaConf.to_container(cfg, resolve=False)
+    assert isinstance(out, dict)
+    return out
+
+
+def test_shorthand_becomes_hydras_own_spelling() -> None:
+    argv = ["strategies=[greedy,draft,draft_fixed]", "strategies.draft_fixed.schedule.gamma=2",
+            "strategies.draft.schedule.max_gamma=5", "strategies.draft_fixed.draft.weights=bf16", "-m",
+            f"{ENTRIES}.prompt_lookup.ngram_max=2"]
+    assert native_overrides(argv) == [
+        "strategies=[greedy,draft,draft_fixed]",
+        f"+strategy@{ENTRIES}.draft_fixed=draft_fixed", f"{ENTRIES}.draft_fixed.schedule.gamma=2",
+        f"+strategy@{ENTRIES}.draft=draft", f"{ENTRIES}.draft.schedule.max_gamma=5",
+        f"{ENTRIES}.draft_fixed.draft.weights=bf16", "-m",
+        f"+strategy@{ENTRIES}.prompt_lookup=prompt_lookup", f"{ENTRIES}.prompt_lookup.ngram_max=2"]
+    # selected already (e.g. under another file): not selected twice
+    own = [f"+strategy@{ENTRIES}.g4=draft_fixed", "strategies.g4.schedule.gamma=4"]
+    assert native_overrides(own) == [own[0], f"{ENTRIES}.g4.schedule.gamma=4"]
+    # what is not a listed strategy's key is left alone
+    assert native_overrides(["strategy.gamma=3", "strategies=[a,b]", "strategies.0=greedy"]) == \
+        ["strategy.gamma=3", "strategies=[a,b]", "strategies.0=greedy"]
+
+
+def test_an_override_of_one_listed_strategy_changes_only_that_one(tmp_path: Path) -> None:
+    base = ["strategies=[greedy,draft,draft_fixed]", f"output_dir={tmp_path}"]
+    plain = compose_run(base)
+    before = {n: _plain(strategy_config(plain, n)) for n in ("greedy", "draft", "draft_fixed")}
+    assert before["draft_fixed"]["schedule"]["gamma"] == 3
+    for argv in ([*base, "strategies.draft_fixed.schedule.gamma=2"],  # the shorthand
+                 [*base, f"+strategy@{ENTRIES}.draft_fixed=draft_fixed",  # Hydra's own spelling
+                  f"{ENTRIES}.draft_fixed.schedule.gamma=2"]):
+        cfg = compose_native(argv)
+        after = {n: _plain(strategy_config(cfg, n)) for n in ("greedy", "draft", "draft_fixed")}
+        assert after["draft_fixed"]["schedule"]["gamma"] == 2
+        after["draft_fixed"]["schedule"]["gamma"] = 3
+        assert after == before  # nothing else moved
+        assert list(cfg.strategies) == ["greedy", "draft", "draft_fixed"]
+    # two entries at once, each with its own keys
+    cfg = compose_native([*base, "strategies.draft_fixed.schedule.gamma=2", "strategies.draft.schedule.max_gamma=5"])
+    assert strategy_config(cfg, "draft_fixed").schedule.gamma == 2
+    assert strategy_config(cfg, "draft").schedule.max_gamma == 5
+
+
+def test_one_file_twice_under_two_names(tmp_path: Path) -> None:
+    argv = ["strategies=[greedy,g2,g4]", f"+strategy@{ENTRIES}.g2=draft_fixed", f"+strategy@{ENTRIES}.g4=draft_fixed",
+            "strategies.g2.schedule.gamma=2", "strategies.g4.schedule.gamma=4", f"output_dir={tmp_path}"]
+    check_overrides(native_overrides(argv))  # g2 and g4 are not files, but entries
+    cfg = compose_native(argv)
+    g2, g4 = strategy_config(cfg, "g2"), strategy_config(cfg, "g4")
+    assert (g2.name, g2.schedule.gamma, g4.name, g4.schedule.gamma) == ("g2", 2, "g4", 4)
+    with pytest.raises(SpecdecError, match="unknown strategy 'g3'"):
+        check_overrides(native_overrides([*argv, "strategies=[greedy,g3]"]))
+
+
+def test_the_strategy_group_still_sets_the_strategy_of_its_name(tmp_path: Path) -> None:
+    # a sweep preset sets and sweeps strategy.*: listing the strategy again must not lose those settings
+    preset = ["experiment=sweep_prompt_lookup", "strategy.num_draft_tokens=4", f"output_dir={tmp_path}"]
+    for extra in ([], ["strategies=[greedy,prompt_lookup,hf_prompt_lookup]"],
+                  [f"+strategy@{ENTRIES}.prompt_lookup=prompt_lookup"]):
+        scfg = strategy_config(compose_native([*preset, *extra]), "prompt_lookup")
+        assert scfg.num_draft_tokens == 4 and scfg.adaptive is False
+    both = compose_native([*preset, "strategies.prompt_lookup.ngram_max=2"])
+    with pytest.raises(SpecdecError, match="set all of its keys in one of the two"):
+        strategy_config(both, "prompt_lookup")
+
+
+USER_STRATEGY = """# a strategy of the user's, over a shipped one
+defaults:
+  - prompt_lookup
+  - _self_
+name: mine
+num_draft_tokens: 2
+"""
+
+
+@pytest.fixture
+def user_configs(tmp_path: Path) -> Path:
+    folder = tmp_path / "user_configs"
+    (folder / "strategy").mkdir(parents=True)
+    (folder / "strategy" / "mine.yaml").write_text(USER_STRATEGY)
+    return folder
+
+
+def test_user_config_folders_on_the_searchpath(user_configs: Path, tmp_path: Path) -> None:
+    searchpath = f"hydra.searchpath=['file://{user_configs}']"
+    with pytest.raises(SpecdecError, match="unknown strategy 'mine'"):
+        check_overrides(["strategy=mine"])
+    for argv in (["strategy=mine"], ["strategies=[greedy,mine]"], [f"+strategy@{ENTRIES}.x=mine"]):
+        check_overrides([searchpath, *argv])
+    assert "mine" in options("strategy", [f"file://{user_configs}"]) and "mine" not in options("strategy")
+    want = {**_plain(group_config("strategy", "prompt_lookup")), "name": "mine", "num_draft_tokens": 2}
+    assert _plain(group_config("strategy", "mine", [f"file://{user_configs}"])) == want
+    # a single run; a listed one found through the run's searchpath; an entry with a key of its own
+    alone = compose_native([searchpath, "strategy=mine", f"output_dir={tmp_path}"])
+    assert _plain(strategy_config(alone, "mine")) == want
+    listed = compose_native([searchpath, "strategies=[greedy,mine]", f"output_dir={tmp_path}"], hydra=True)
+    assert _plain(strategy_config(listed, "mine")) == want
+    entry = compose_native([searchpath, "strategies=[greedy,mine]", "strategies.mine.ngram_max=2",
+                            f"output_dir={tmp_path}"])
+    assert _plain(strategy_config(entry, "mine")) == {**want, "ngram_max": 2}
+
+
+def _main(args: list[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """`python -m specdec.run ARGS` in this process (no second interpreter to pay for); its results folder."""
+    from specdec.run import main
+
+    out = tmp_path / "out"
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HYDRA_FULL_ERROR", "0")  # main() sets it for Hydra; restored after the test
+    monkeypatch.setattr(sys, "argv", ["specdec.run", *args, f"output_dir={out}", f"hydra.run.dir={tmp_path / 'run'}",
+                                      "hydra/job_logging=disabled", "hydra/hydra_logging=disabled"])
+    main()
+    return out
+
+
+def test_listed_strategies_overridden_one_by_one_from_a_user_folder(user_configs: Path, tmp_path: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    out = _main(["model=tiny-llama", "strategies=[greedy,mine,lookahead]", f"hydra.searchpath=['file://{user_configs}']",
+                 "strategies.mine.ngram_max=2", "strategies.lookahead.window=3", "data.limit=1",
+                 "generation.max_new_tokens=6", "warmup=0"], tmp_path, monkeypatch)
+    summary = json.loads((out / "summary.json").read_text())
+    ran = {name: s["config"] for name, s in summary["strategies"].items()}
+    lookahead = _plain(group_config("strategy", "lookahead"))
+    assert ran["lookahead"] == {**OmegaConf.to_container(OmegaConf.create(lookahead), resolve=True), "window": 3}
+    assert ran["mine"]["num_draft_tokens"] == 2 and ran["mine"]["ngram_max"] == 2 and ran["mine"]["name"] == "mine"
+    assert ran["greedy"]["_target_"].endswith("Greedy")
+    assert summary["strategies"]["mine"]["matches_baseline"] == 1.0  # still lossless
+    assert summary["config"]["strategies"] == ["greedy", "mine", "lookahead"]
+    assert summary["config"][ENTRIES]["lookahead"]["window"] == 3  # a sweep's report finds what differs
+    assert {r["strategy"] for r in read_answers(out)} == {"greedy", "mine", "lookahead"}
+
+
+@pytest.mark.skipif(submitit_installed(), reason="hydra-submitit-launcher is installed")
+def test_slurm_launcher_without_its_plugin_names_the_extra(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                           capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        _main(["-m", "hydra/launcher=slurm", "model=tiny-llama"], tmp_path, monkeypatch)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "specdec[slurm]" in err[0] and "hydra/launcher=slurm" in err[0], err
+    from hydra.errors import MissingConfigException
+
+    line = hydra_error_line(MissingConfigException("In 'hydra/launcher/slurm': Could not find "
+                                                   "'hydra/launcher/submitit_slurm'"), [])
+    assert "specdec[slurm]" in line and "\n" not in line

@@ -3,6 +3,36 @@
 A strategy is anything that turns prompt ids into output ids (`Strategy.generate`). Speculative
 strategies only supply a `Proposer`; the loop owns prefill, the target pass, verification and the
 target cache, so every method is measured with the same engine and the same token accounting.
+
+Terms (docs/adding-a-strategy.md walks through writing one):
+
+- *target*: the model whose output is reproduced (`LoadedModel`); *draft*/*proposal*: tokens guessed
+  for it, cheaper than running it token by token.
+- *committed*: part of the output, never taken back. `DecodeState.ids` is the prompt plus everything
+  committed.
+- *root*: the newest committed token, `state.ids[-1]`. The target has not seen it yet: its KV cache
+  holds every committed token except the root.
+- *node*: one position of a proposal. Node 0 is the root; nodes 1..N are the proposed tokens, each
+  with a parent (a chain: node i follows node i - 1; a tree: several children may share a parent).
+- *target pass* (one decode step): one forward of the target over [root, node 1, ..., node N].
+  Row i of its logits is the target's prediction for the token after node i.
+- *verdict*: what verification keeps: the accepted nodes (a path from the root) and their tokens
+  plus one more token from the target, so every pass commits at least one token.
+
+One turn of `SpeculativeStrategy.generate`:
+
+    proposer = strategy.make_proposer()            # fresh for every turn (None: plain decoding)
+    out = prefill(prompt); ids = prompt + [target's next token]
+    proposer.start(state, out)                     # once, if the turn goes on
+    loop until EOS, a stop string or max_new_tokens:
+        proposal = proposer.propose(state)         # None or no tokens: a one-token step
+        out = target pass over [root, *proposal.tokens]; verdict = verify(...)
+        target cache keeps root + accepted nodes; ids += verdict.tokens
+        proposer.commit(state, verdict, out)       # every round, proposed or not, if the turn goes on
+
+At temperature 0 every verified token equals the target's argmax after its prefix, so the output is
+the target's greedy output whatever is proposed (lossless); above 0, `specdec.verify` samples exactly
+from the target's distribution provided a proposal's `probs` are the ones its tokens were drawn from.
 """
 
 from __future__ import annotations
@@ -25,6 +55,9 @@ from specdec.verify import Proposal, Verdict, verify
 
 @dataclass(frozen=True)
 class GenerationParams:
+    """How one turn is generated: at most `max_new_tokens`, sampled with `sampling` (temperature 0:
+    greedy), ending after any token in `eos_ids` or the token that completes a `stop` string."""
+
     max_new_tokens: int = 128
     sampling: SamplingParams = field(default_factory=SamplingParams)
     eos_ids: tuple[int, ...] = ()
@@ -55,6 +88,13 @@ def stop_cut(tokenizer: Any, ids: list[int], start: int, first_new: int, stop: t
 
 @dataclass
 class TurnResult:
+    """What one turn produced and how: the rows of answers.jsonl are made of it (CONTRACT.md).
+
+    `SpeculativeStrategy` fills every field; a strategy of its own must keep the invariants the
+    results checker asserts: sum(accept_lengths) == len(output_ids) and len(accept_lengths) ==
+    decode_steps + 1 (prefill yields the first token), unless both are None (a peer that hides them).
+    """
+
     output_ids: list[int]
     ttft_s: float
     wall_time_s: float
@@ -70,7 +110,12 @@ class TurnResult:
 
 @dataclass
 class DecodeState:
-    """What a proposer may read: the whole sequence so far and how the turn is sampled."""
+    """What a proposer may read: the whole sequence so far and how the turn is sampled.
+
+    Owned by the loop: a proposer reads it and never changes it. `ids[-1]` is the root, the only
+    committed token the target's cache does not hold yet; `generator` is None at temperature 0 and
+    otherwise the turn's seeded generator (draw from it, on its device, so runs repeat exactly).
+    """
 
     ids: list[int]  # prompt + committed output; ids[-1] is the root of the next proposal
     prompt_len: int
@@ -83,16 +128,74 @@ class DecodeState:
 
 
 class Strategy(ABC):
+    """Anything that answers a turn: prompt token ids in, a `TurnResult` out.
+
+    A config builds it as `_partial_: true` and the runner calls the partial with
+    `target=LoadedModel, max_len=int, prefill_chunk=int` (generation.max_len: the KV cache size in
+    tokens, prompt included; generation.prefill_chunk: prompt tokens per prefill forward), so a
+    strategy's `__init__` takes those three, `name` (the config's `name`, the key results are filed
+    under) and its own settings as keyword arguments. Errors in the settings are one-line
+    `specdec.errors.SpecdecError`s naming the key and a valid value.
+
+    Speculative strategies subclass `SpeculativeStrategy` and supply a `Proposer` instead.
+    """
+
     name: str
 
     @abstractmethod
-    def generate(self, prompt_ids: list[int], params: GenerationParams, seed: int) -> TurnResult: ...
+    def generate(self, prompt_ids: list[int], params: GenerationParams, seed: int) -> TurnResult:
+        """Answer one turn. `seed` makes sampling repeatable (each turn gets its own); at temperature 0 it
+        is unused. Called many times on one instance: nothing of one turn may leak into the next."""
 
 
 class Proposer(Protocol):
-    def start(self, state: DecodeState, out: ForwardOut) -> None: ...
-    def propose(self, state: DecodeState) -> Proposal | None: ...
-    def commit(self, state: DecodeState, verdict: Verdict, out: ForwardOut) -> None: ...
+    """Guesses the next tokens of one turn; `SpeculativeStrategy` verifies them with the target.
+
+    A fresh proposer serves one turn (`SpeculativeStrategy.make_proposer`). Shapes: N proposed nodes,
+    V the target's vocabulary, D its hidden size, P the prompt length.
+
+    The cache contract. The target's KV cache belongs to the loop: a proposer never runs, rolls back
+    or compacts the target's engine. What the proposer keeps of its own (a draft model's KV cache, an
+    n-gram index, hidden states) it must keep in step with `state.ids`: after `commit`, anything built
+    on proposed tokens that were not accepted has to be dropped (e.g. a draft cache rolled back to the
+    longest prefix it shares with `state.ids`), and anything committed that it has not seen yet (the
+    verdict's tokens, the root) it catches up on, at the latest in the next `propose`. The loop never
+    skips a `commit`, so a proposer may rely on seeing every round.
+    """
+
+    def start(self, state: DecodeState, out: ForwardOut) -> None:
+        """Once per turn, after prefill, when the turn goes on. `state.ids` is the prompt plus the first
+        output token (the root); `out` is the prefill's: `out.logits` (1, V) for the last prompt
+        token only, `out.hidden` (P, D) the target's final-norm hidden states of the prompt tokens."""
+        ...
+
+    def propose(self, state: DecodeState) -> Proposal | None:
+        """The tokens to verify after the root, or None (or no tokens) for a plain one-token step.
+
+        A `Proposal` holds `tokens` (N,) long; `parents` (N,), `parents[i - 1]` the parent of node i:
+        0 is the root, each parent is smaller than its child, -1 marks a node fed but never verified
+        (lookahead's window); a chain is `list(range(N))`. `probs` (N, V): the distribution each token
+        was drawn from, for exact speculative sampling above temperature 0 (chains only; warp the draft's
+        logits with `specdec.engine.sampling.warp` like the target's); None for deterministic guesses.
+        `mask` (N+1, N+1) and `depth` (N+1,) override the tree's attention mask and position offsets.
+
+        Room: the pass writes N + 1 positions into a cache that holds len(state.ids) - 1, so keep
+        len(state.ids) + N <= the engine's max_len; more than max_new_tokens - state.output_len - 1
+        tokens can never be kept. Trees (parents other than a chain) need an engine with
+        `supports_trees` (the compact model). The time spent here counts as drafting time.
+        """
+        ...
+
+    def commit(self, state: DecodeState, verdict: Verdict, out: ForwardOut) -> None:
+        """After every target pass that leaves the turn going on, proposal or not.
+
+        `state.ids` already ends with all of `verdict.tokens` (the accepted nodes' tokens, then the
+        target's own next token, the new root). `verdict.nodes` are the accepted node indices (1..N,
+        root excluded) in path order. `out` is the pass's: `out.logits` (1 + N, V) and `out.hidden`
+        (1 + N, D), row 0 the root and row i node i, in the order the proposal listed them (one row
+        after a one-token step). Update what the proposer learns from the outcome here.
+        """
+        ...
 
 
 @contextlib.contextmanager
@@ -123,7 +226,9 @@ class SpeculativeStrategy(Strategy):
         self.engine = make_engine(target, max_len, prefill_chunk)
 
     def make_proposer(self) -> Proposer | None:
-        """A fresh proposer for a turn; None decodes one token per target pass."""
+        """A fresh proposer for a turn; None decodes one token per target pass. State that should
+        outlive a turn (trained weights, measured pass costs, a draft model's caches, reused) lives
+        on the strategy and is handed to the proposer here."""
         return None
 
     def generate(self, prompt_ids: list[int], params: GenerationParams, seed: int) -> TurnResult:
