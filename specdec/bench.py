@@ -28,7 +28,7 @@ import torch
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from specdec.cli_checks import CONFIG_DIR
+from specdec.cli_checks import CONFIG_DIR, group_config
 from specdec.data import default_suite
 from specdec.engine.engine import pass_times
 from specdec.engine.timing import clock
@@ -143,7 +143,7 @@ def bench(cfg: DictConfig) -> dict[str, Any]:
     names = list(dict.fromkeys(["greedy", "hf_generate", *cfg.get("peers", [])]))
     peers: dict[str, Strategy] = {}
     for name in names:
-        factory = instantiate(OmegaConf.load(CONFIG_DIR / "strategy" / f"{name}.yaml"))
+        factory = instantiate(group_config("strategy", name))
         peers[name] = factory(target=target, max_len=int(cfg.max_len), prefill_chunk=512)
     # warm-up; a compiled peer compiles its decode step (one shape) and captures its graphs here
     compare_greedy(peers, target, prompts[:1], GenerationParams(8, eos_ids=()), 1)
@@ -154,7 +154,7 @@ def bench(cfg: DictConfig) -> dict[str, Any]:
     curve = verification_curve(target, list(cfg.ks), int(cfg.context), int(cfg.reps))
     drafts: dict[str, dict[str, float]] = {}
     for name in cfg.strategies:
-        scfg = OmegaConf.load(CONFIG_DIR / "strategy" / f"{name}.yaml")
+        scfg = group_config("strategy", name)  # with its defaults list, as a run composes it
         try:
             root = OmegaConf.create({"model": OmegaConf.to_container(cfg.model), "_s": scfg})
             factory = instantiate(root._s)  # resolves ${model.*} as in a run
