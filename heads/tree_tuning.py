@@ -37,6 +37,7 @@ from specdec.data import default_suite
 from specdec.engine.engine import StaticEngine, pass_cost_curve
 from specdec.errors import SpecdecError
 from specdec.models.loader import LoadedModel
+from specdec.results_index import portable
 from specdec.strategies.base import torch_threads
 
 Path_ = tuple[int, ...]
@@ -274,7 +275,7 @@ def tune(cfg: DictConfig) -> dict[str, Any]:
         "rank_accuracy": [[round(float(x), 4) for x in row] for row in acc],
         "positions": len(cal.ranks),
         "model": target.name,
-        "heads": str(cfg.heads.get("path")),
+        "heads": portable(str(cfg.heads.get("path"))),  # a committed file names no local folder
     }
     out = Path(str(cfg.out)).expanduser()
     out.parent.mkdir(parents=True, exist_ok=True)
