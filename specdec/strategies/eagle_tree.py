@@ -75,7 +75,8 @@ class EagleTreeProposer(EagleProposer):
         expanded ancestors and itself; writes their slots and guessed features; (n, K) logits."""
         device, n = self.net.device, len(frontier)
         length = self.cache.lengths[0]
-        mask = torch.zeros(1, 1, n, length + n, dtype=torch.bool, device=device)
+        # built on the host, where the tree is known, and moved in one copy (no kernel per element)
+        mask = torch.zeros(1, 1, n, length + n, dtype=torch.bool)
         mask[0, 0, :, :prefix] = True
         for i, node in enumerate(frontier):
             a = node.parent
@@ -83,6 +84,7 @@ class EagleTreeProposer(EagleProposer):
                 mask[0, 0, i, tree[a].slot] = True  # type: ignore[index]
                 a = tree[a].parent
             mask[0, 0, i, length + i] = True
+        mask = mask.to(device)
         tokens = torch.tensor([node.token for node in frontier], device=device)[None]  # (1, n)
         features = torch.stack([self._parent_feature(node, tree) for node in frontier])[None]  # (1, n, D)
         positions = torch.full((1, n), start + frontier[0].depth - 1, device=device)
