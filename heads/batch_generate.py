@@ -25,24 +25,32 @@ class Generated:
     hidden: np.ndarray  # (len(prompt) + len(continuation), D) float16: the state after each token
 
 
+def left_padded(prompts: list[list[int]], max_new_tokens: int, device: torch.device
+                ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """A batch of prompts left-padded to the longest (W): tokens (B, W), positions (B, W), the cache slots
+    each row may read (B, W + max_new_tokens: not its padding) and the prefill's mask (B, 1, W, W), on
+    `device`. Padding queries see only themselves, so no softmax row is empty; their outputs are never read."""
+    B, W = len(prompts), max(map(len, prompts))
+    tokens = torch.zeros(B, W, dtype=torch.long)
+    positions = torch.zeros(B, W, dtype=torch.long)
+    valid = torch.ones(B, W + max_new_tokens, dtype=torch.bool)
+    for b, p in enumerate(prompts):
+        pad = W - len(p)
+        tokens[b, pad:] = torch.tensor(p)
+        positions[b, pad:] = torch.arange(len(p))
+        valid[b, :pad] = False
+    causal = torch.ones(W, W, dtype=torch.bool).tril()
+    mask = ((causal[None] & valid[:, None, :W]) | torch.eye(W, dtype=torch.bool)[None])[:, None]  # (B, 1, W, W)
+    return tokens.to(device), positions.to(device), valid.to(device), mask.to(device)
+
+
 @torch.inference_mode()
 def _generate_batch(target: LoadedModel, prompts: list[list[int]], max_new_tokens: int) -> list[Generated]:
     model = target.model
     B, W, n = len(prompts), max(map(len, prompts)), max_new_tokens
     dev = target.device
     cache = model.new_cache(W + n, batch=B)
-    tokens = torch.zeros(B, W, dtype=torch.long)
-    positions = torch.zeros(B, W, dtype=torch.long)
-    valid = torch.ones(B, W + n, dtype=torch.bool)  # cache slots a query may read: not left padding
-    for b, p in enumerate(prompts):
-        pad = W - len(p)
-        tokens[b, pad:] = torch.tensor(p)
-        positions[b, pad:] = torch.arange(len(p))
-        valid[b, :pad] = False
-    # Padding queries see only themselves, so no softmax row is empty; their outputs are never read.
-    causal = torch.ones(W, W, dtype=torch.bool).tril()
-    mask = ((causal[None] & valid[:, None, :W]) | torch.eye(W, dtype=torch.bool)[None])[:, None]  # (B, 1, W, W)
-    valid, tokens, positions, mask = valid.to(dev), tokens.to(dev), positions.to(dev), mask.to(dev)
+    tokens, positions, valid, mask = left_padded(prompts, n, dev)
     logits, h = model(tokens, positions, cache, mask, logits_from=W - 1)  # h: (B, W, D)
     states = [h.half().cpu()]
     out: list[Tensor] = []

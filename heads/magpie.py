@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from heads.batch_generate import left_padded
 from specdec.engine.sampling import SamplingParams, warp
 from specdec.errors import SpecdecError
 from specdec.models.cpu_linear import use_matmul
@@ -68,18 +69,9 @@ def complete(target: LoadedModel, prefixes: list[list[int]], max_new_tokens: int
     model, dev = target.model, target.device
     B, W = len(prefixes), max(map(len, prefixes))
     cache = model.new_cache(W + max_new_tokens, batch=B)
-    tokens = torch.zeros(B, W, dtype=torch.long)
-    positions = torch.zeros(B, W, dtype=torch.long)
-    valid = torch.ones(B, W + max_new_tokens, dtype=torch.bool)  # cache slots a query may read
-    for b, p in enumerate(prefixes):
-        pad = W - len(p)
-        tokens[b, pad:], positions[b, pad:] = torch.tensor(p), torch.arange(len(p))
-        valid[b, :pad] = False
-    causal = torch.ones(W, W, dtype=torch.bool).tril()
-    mask = ((causal[None] & valid[:, None, :W]) | torch.eye(W, dtype=torch.bool)[None])[:, None]  # (B, 1, W, W)
-    valid = valid.to(dev)
-    logits, _ = model(tokens.to(dev), positions.to(dev), cache, mask.to(dev), logits_from=W - 1)
-    pos = positions[:, -1].to(dev)
+    tokens, positions, valid, mask = left_padded(prefixes, max_new_tokens, dev)
+    logits, _ = model(tokens, positions, cache, mask, logits_from=W - 1)
+    pos = positions[:, -1]
     stops = torch.tensor(sorted(stop) or [-1], device=dev)
     done = torch.zeros(B, dtype=torch.bool, device=dev)
     out = []
