@@ -60,6 +60,7 @@ def strategy_metrics(rows: list[Row]) -> dict[str, Any]:
         "alpha_longest_path": accepted / proposed if proposed else None,
         "alpha_per_node": _per_node(rows, accepted),
         "ttft_s": statistics.fmean(ttfts) if ttfts else 0.0,
+        "ttft_s_by_turn": _ttft_by_turn(rows),
         "tpot_s": statistics.fmean(tpots) if tpots else 0.0,
         "new_tokens": tokens,
         "wall_time_s": wall,
@@ -73,6 +74,13 @@ def strategy_metrics(rows: list[Row]) -> dict[str, Any]:
         "ttft_distribution": _percentiles(ttfts),
         "tpot_distribution": _percentiles(tpots),
     } | _draft_model_metrics(proposed, by_pos_p, by_pos_a, steps, draft_time, decode_time)
+
+
+def _ttft_by_turn(rows: list[Row]) -> dict[str, float] | None:
+    """Mean ttft_s per turn index ("0", "1", ...): a later turn's prompt holds the conversation so far, which
+    prefix reuse (generation.prefix_cache) does not prefill again, so its TTFT is where reuse shows."""
+    by_turn = _group(rows, "turn") if all("turn" in r for r in rows) else {}
+    return {str(t): statistics.fmean(r["ttft_s"] for r in rs) for t, rs in sorted(by_turn.items())} or None
 
 
 def _per_node(rows: list[Row], accepted: int) -> float | None:

@@ -79,15 +79,21 @@ def accept_length_histogram(hists: Mapping[str, Mapping[int, int]], path: Path, 
 
 
 def sweep(param: str, xs: Sequence[float], tau: Mapping[str, Sequence[Value]],
-          speedup: Mapping[str, Sequence[Value]], path: Path) -> Path:
-    """tau and speedup against the one parameter the runs differ in, one line per strategy."""
-    fig = Figure(figsize=(10.0, 4.0))
-    for k, (label, series) in enumerate((("tau (tokens per target pass)", tau), ("speedup", speedup))):
-        ax = fig.add_subplot(1, 2, k + 1)
+          speedup: Mapping[str, Sequence[Value]], path: Path,
+          tokens_per_s: Mapping[str, Sequence[Value]] | None = None) -> Path:
+    """tau, speedup (and tokens/s) against the one parameter the runs differ in, one line per strategy."""
+    panels = [("tau (tokens per target pass)", tau), ("speedup", speedup)]
+    if tokens_per_s is not None:
+        panels.append(("tokens/s", tokens_per_s))
+    fig = Figure(figsize=(5.0 * len(panels), 4.0))
+    for k, (label, series) in enumerate(panels):
+        ax = fig.add_subplot(1, len(panels), k + 1)
         for name, ys in series.items():
             pts = sorted((x, y) for x, y in zip(xs, ys) if y is not None)
             if pts:
                 ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=name)
+        if label == "speedup":
+            ax.axhline(1.0, color="grey", linewidth=0.8, linestyle="--")  # the baseline's own level
         ax.set_xticks(sorted(set(xs)))  # the swept values themselves, not a linear grid
         ax.set_xlabel(param)
         ax.set_ylabel(label)

@@ -275,6 +275,17 @@ def overall_table(summary: Summary) -> str:
     return markdown_table(OVERALL_HEADER, rows)
 
 
+def ttft_turn_table(summary: Summary) -> str | None:
+    """Mean TTFT per turn index (ms), for multi-turn suites only: where prefix reuse shows."""
+    turns = sorted({t for s in summary["strategies"].values() for t in (s.get("ttft_s_by_turn") or {})}, key=int)
+    if len(turns) < 2:
+        return None
+    rows = [[name, *(fmt((s.get("ttft_s_by_turn") or {}).get(t), 1, 1000.0) for t in turns),
+             {True: "on", False: "off"}.get(s.get("prefix_cache"), "-")]
+            for name, s in summary["strategies"].items()]
+    return markdown_table(["strategy", *(f"turn {t}" for t in turns), "prefix cache"], rows)
+
+
 def categories_of(summary: Summary) -> list[str]:
     return sorted({c for s in summary["strategies"].values() for c in (s.get("categories") or {})})
 
@@ -337,8 +348,9 @@ def sweep_plot(runs: Sequence[Run], out_dir: Path) -> Path | None:
     names = list(dict.fromkeys(n for r in runs for n in r.strategies))
     tau = {n: [r.strategies.get(n, {}).get("mean_accepted_tokens") for r in runs] for n in names}
     speedup = {n: [r.strategies.get(n, {}).get("speedup") for r in runs] for n in names}
+    tps = {n: [r.strategies.get(n, {}).get("tokens_per_s") for r in runs] for n in names}
     safe = param.split(" ")[0].replace(".", "_")
-    return plots.sweep(param, xs, tau, speedup, out_dir / f"sweep_{safe}.png")
+    return plots.sweep(param, xs, tau, speedup, out_dir / f"sweep_{safe}.png", tps)
 
 
 # --- the report -----------------------------------------------------------------------------------
@@ -392,6 +404,11 @@ def _run_section(run: Run, heading: str, out_dir: Path, suffix: str) -> list[str
     if s.get("failures"):
         lines += [f"> {len(s['failures'])} answers failed: {', '.join(sorted(s['failures']))}.", ""]
     lines += ["### Overall", "", overall_table(s), ""]
+    by_turn = ttft_turn_table(s)
+    if by_turn:
+        lines += ["### TTFT by turn (ms)", "", by_turn, "",
+                  "Mean time to first token per turn; with the prefix cache on, a later turn prefills only what "
+                  "the conversation added since the last one.", ""]
     reps = [st["repeats"]["n"] for st in run.strategies.values() if st.get("repeats")]
     if reps:
         lines += [f"± is the half-width of a 95% t-interval over {max(reps)} repeats; speedup's interval is over "

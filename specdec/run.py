@@ -91,6 +91,12 @@ def _number(value: Any, name: str) -> float:
         raise SpecdecError(f"{name}={value!r} is not a number; use for example {name}=0.7") from None
 
 
+def _flag(value: Any, name: str) -> bool:
+    if not isinstance(value, bool):
+        raise SpecdecError(f"{name}={value!r} is not a boolean; use {name}=true or {name}=false")
+    return value
+
+
 def _stop_strings(value: Any) -> tuple[str, ...]:
     if value is None:
         return ()
@@ -110,9 +116,11 @@ def generation_params(cfg: DictConfig, eos_ids: tuple[int, ...] = ()) -> Generat
     sampling = SamplingParams(_number(g.temperature, "generation.temperature"), _number(g.top_p, "generation.top_p"))
     max_len = _integer(g.max_len, "generation.max_len", 2)
     _integer(g.prefill_chunk, "generation.prefill_chunk", 1)
+    _integer(g.get("batch_size", 1), "generation.batch_size", 1)
     _integer(cfg.seed, "seed", 0)
     _integer(cfg.warmup, "warmup", 0)
     _integer(cfg.repeats, "repeats", 1)
+    _flag(g.get("prefix_cache", True), "generation.prefix_cache")
     if max_new >= max_len:
         raise SpecdecError(f"generation.max_new_tokens={max_new} leaves no room for the prompt in "
                            f"generation.max_len={max_len}; raise max_len or lower max_new_tokens")
@@ -131,9 +139,18 @@ def build_strategies(cfg: DictConfig, target: LoadedModel,
     built: dict[str, Strategy] = {}
     for name in strategy_names(cfg):
         scfg = configs[name] if configs is not None else strategy_config(cfg, name)
+        # a strategy's own prefix_cache (a variant compared in the same run) overrides generation's; it is
+        # the runner's setting, not the strategy's argument, but stays in the config that is recorded
+        own = scfg.get("prefix_cache")
+        reuse = _flag(own if own is not None else cfg.generation.get("prefix_cache", True),
+                      f"strategies.{name}.prefix_cache" if own is not None else "generation.prefix_cache")
+        if "prefix_cache" in scfg:
+            scfg = scfg.copy()
+            del scfg["prefix_cache"]
         factory = build(scfg)
         built[name] = factory(target=target, max_len=int(cfg.generation.max_len),
                               prefill_chunk=int(cfg.generation.prefill_chunk))
+        built[name].reuse_prefix(reuse)
     return built
 
 
@@ -147,6 +164,7 @@ def _answer(strategy: Strategy, target: LoadedModel, q: Question, params: Genera
     """Answer every turn of q not yet on disk, each with this strategy's own conversation so far;
     `on_row` sees each new answer once it is on disk (the logger, as the turns happen)."""
     messages: list[dict[str, str]] = []
+    strategy.new_conversation()  # only this conversation's own turns reuse its cached prefix
     for turn, text in enumerate(q.turns):
         messages.append({"role": "user", "content": text})
         done = log.get(strategy.name, q.question_id, turn, repeat)
@@ -165,21 +183,27 @@ def _answer(strategy: Strategy, target: LoadedModel, q: Question, params: Genera
             raise SpecdecError(f"turn {turn}: out of GPU memory; lower generation.max_len or use a smaller "
                                "model") from e
         text_out = target.tokenizer.decode(res.output_ids, skip_special_tokens=True)
-        row = {
-            "question_id": q.question_id, "category": q.category, "turn": turn, "strategy": strategy.name,
-            "prompt_tokens": len(prompt), "new_tokens": len(res.output_ids), "output_ids": res.output_ids,
-            "output_text": text_out, "wall_time_s": res.wall_time_s, "ttft_s": res.ttft_s,
-            "decode_steps": res.decode_steps, "accept_lengths": res.accept_lengths,
-            "proposed_tokens": res.proposed, "accepted_tokens": res.accepted,
-            # every verified draft node (a tree's, not only its longest path): alpha per node
-            "proposed_nodes": getattr(res, "proposed_nodes", None),
-            "proposed_by_pos": res.proposed_by_pos, "accepted_by_pos": res.accepted_by_pos,
-            "draft_time_s": res.draft_time_s, "repeat": repeat,
-        }
+        row = turn_row(strategy.name, q, turn, repeat, prompt, res, text_out)
         log.append(row)
         if on_row is not None:
             on_row(row)
         messages.append({"role": "assistant", "content": text_out})
+
+
+def turn_row(name: str, q: Question, turn: int, repeat: int, prompt: list[int], res: Any,
+             text_out: str) -> dict[str, Any]:
+    """One answer as answers.jsonl keeps it (CONTRACT.md)."""
+    return {
+        "question_id": q.question_id, "category": q.category, "turn": turn, "strategy": name,
+        "prompt_tokens": len(prompt), "new_tokens": len(res.output_ids), "output_ids": res.output_ids,
+        "output_text": text_out, "wall_time_s": res.wall_time_s, "ttft_s": res.ttft_s,
+        "decode_steps": res.decode_steps, "accept_lengths": res.accept_lengths,
+        "proposed_tokens": res.proposed, "accepted_tokens": res.accepted,
+        # every verified draft node (a tree's, not only its longest path): alpha per node
+        "proposed_nodes": getattr(res, "proposed_nodes", None),
+        "proposed_by_pos": res.proposed_by_pos, "accepted_by_pos": res.accepted_by_pos,
+        "draft_time_s": res.draft_time_s, "repeat": repeat,
+    }
 
 
 def _warm_up(strategies: dict[str, Strategy], target: LoadedModel, questions: list[Question],
@@ -423,13 +447,19 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     interrupted = False
     try:
         # a resumed run still measures warm strategies, unless nothing is left to measure
-        if cfg.warmup and pending:
+        if cfg.warmup and pending and int(cfg.generation.get("batch_size", 1) or 1) == 1:
             _warm_up(strategies, target, questions, params, int(cfg.warmup))
         from tqdm import tqdm
 
         total = len(questions) * len(names) * repeats
+        batch = int(cfg.generation.get("batch_size", 1) or 1)
         with tqdm(total=total, desc="specdec", unit="answer", disable=None) as bar:
-            for repeat in range(repeats):
+            if batch > 1:
+                from specdec.run_batched import answer_batched
+
+                answer_batched(strategies, target, questions, params, int(cfg.seed), log, repeats, batch,
+                               log_turn, failures, lambda: bar.update(1), warmup=bool(cfg.warmup) and pending > 0)
+            for repeat in range(repeats if batch == 1 else 0):
                 for i, q in enumerate(questions):
                     # alternate the order so neither strategy always runs on a warmer machine
                     order = names if (i + repeat) % 2 == 0 else names[::-1]
@@ -449,6 +479,9 @@ def run(cfg: DictConfig) -> dict[str, Any]:
             for row in log.new_rows[logged:]:  # on disk but not yet logged (Ctrl-C between the two)
                 logger.log_turn(row)
             summary = summarize(log.rows(), baseline, params.sampling.temperature, names, config)
+            for name, s in summary["strategies"].items():
+                if name in strategies:  # whether its turns reused the cached prefix (peers never do)
+                    s["prefix_cache"] = strategies[name].prefix_cache
             add_speedup_ci(summary)
             add_specbench_speedup(summary, log.rows(), target.tokenizer)  # Spec-Bench's definition
             config["environment"] |= kernel_target(target)  # a drafter may have compiled kernels since

@@ -2,6 +2,10 @@
 
 The cache always holds every committed token except the newest one; each step feeds that token
 (the root) plus whatever was proposed after it, then keeps the root and the accepted nodes.
+
+Prefix reuse (`prefix_cache`, generation.prefix_cache): an engine also remembers which token each
+cache slot holds (`HeldTokens`), so the next prefill (a conversation's next turn) keeps the longest
+prefix the new prompt shares with the cache and feeds only the rest.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ import torch
 from torch import Tensor
 
 from specdec.engine.kv_cache import KVCache
+from specdec.engine.sampling import host_read
 from specdec.engine.static_step import BUCKETS, StaticStep
 from specdec.engine.timing import clock
 from specdec.errors import SpecdecError
@@ -27,12 +32,63 @@ class ForwardOut:
 class Engine(Protocol):
     length: int
     max_len: int
+    held: HeldTokens | None  # what the cache holds, slot by slot, when prefix reuse is on
+    prefilled: int  # tokens the last prefill fed (the rest of its prompt was reused)
 
+    def reuse_prefix(self, on: bool) -> None: ...
     def reset(self) -> None: ...
     def prefill(self, ids: list[int]) -> ForwardOut: ...
     def forward(self, tokens: Tensor, depth: Tensor | None = None, mask: Tensor | None = None) -> ForwardOut: ...
     def rollback(self, length: int) -> None: ...
     def compact(self, start: int, keep: list[int]) -> None: ...
+
+
+class HeldTokens:
+    """The token id and final-norm hidden state in each slot of an engine's cache, on its device.
+
+    Written by every pass at the slots it fills and moved by `compact` like the K/V; slots past the
+    engine's length are stale, so rollback and reset need nothing here. Device writes only: the host
+    reads the ids once per prefill (`shared_prefix`), never per decode step.
+    """
+
+    def __init__(self, slots: int, device: torch.device | str) -> None:
+        self.ids = torch.full((slots,), -1, dtype=torch.long, device=device)  # (S,)
+        self.hidden: Tensor | None = None  # (S, D), allocated by the first write (dtype and D from it)
+
+    def write(self, at: int, tokens: Tensor, hidden: Tensor) -> None:
+        """tokens (T,) and their hidden states (T, D), fed at slots at.. ."""
+        if self.hidden is None:
+            # a normal tensor even when first written under inference mode, so that a compaction outside
+            # it (tests, tools) may update it in place, like the K/V buffers
+            with torch.inference_mode(False):
+                self.hidden = torch.empty(len(self.ids), hidden.shape[-1], dtype=hidden.dtype, device=hidden.device)
+        self.ids[at:at + len(tokens)] = tokens
+        self.hidden[at:at + len(tokens)] = hidden
+
+    def compact(self, start: int, keep: list[int]) -> None:
+        """As KVCache.compact: slots `keep` (increasing, >= start) move to start, start + 1, ..."""
+        if keep == list(range(start, start + len(keep))):
+            return
+        idx = torch.as_tensor(keep, device=self.ids.device)
+        end = start + len(keep)
+        self.ids[start:end] = self.ids.index_select(0, idx)  # index_select copies: overlaps are safe
+        if self.hidden is not None:
+            self.hidden[start:end] = self.hidden.index_select(0, idx)
+
+    @host_read
+    def shared_prefix(self, length: int, ids: list[int]) -> int:
+        """How many leading ids the first `length` slots already hold (one read of one integer)."""
+        n = min(length, len(ids))
+        if n == 0:
+            return 0
+        differs = self.ids[:n] != torch.as_tensor(ids[:n], device=self.ids.device)  # (n,)
+        # the first mismatch, or n when there is none (argmax gives the first maximum)
+        return int(torch.cat([differs, differs.new_ones(1)]).to(torch.uint8).argmax())
+
+    def prompt_hidden(self, n: int) -> Tensor:
+        """(n, D) hidden states of slots 0..n-1, copied: later passes overwrite the buffer."""
+        assert self.hidden is not None
+        return self.hidden[:n].clone()
 
 
 class StaticEngine:
@@ -46,7 +102,7 @@ class StaticEngine:
     supports_trees = True
 
     def __init__(self, model: Any, max_len: int, prefill_chunk: int = 512, compile: bool = False,
-                 static: bool = False) -> None:
+                 static: bool = False, prefix_cache: bool = False) -> None:
         self.model = model
         self.max_len = max_len
         self.prefill_chunk = prefill_chunk
@@ -63,52 +119,67 @@ class StaticEngine:
         else:
             self.cache = model.new_cache(max_len)
         self._arange = torch.arange(max_len, device=self.device)
+        self.held: HeldTokens | None = None
+        self.prefilled = 0
+        self.reuse_prefix(prefix_cache)
 
     @property
     def length(self) -> int:
         return self.cache.lengths[0]
+
+    def reuse_prefix(self, on: bool) -> None:
+        """Prefix reuse on or off; the cache starts empty either way (what it held was not tracked)."""
+        self.held = HeldTokens(self.cache.max_len, self.device) if on else None
+        self.reset()
 
     def reset(self) -> None:
         self.cache.rollback(0)
 
     @torch.inference_mode()
     def prefill(self, ids: list[int]) -> ForwardOut:
-        """Fill the cache with the prompt in chunks; logits for the last prompt token only."""
-        if not ids:
-            raise SpecdecError("empty prompt: every turn needs at least one token")
-        if len(ids) >= self.max_len:
-            raise SpecdecError(f"prompt of {len(ids)} tokens does not fit the cache of {self.max_len}; "
-                               "shorten the prompt or raise generation.max_len")
-        self.reset()
+        """Fill the cache with the prompt in chunks; logits for the last prompt token only, hidden states
+        of every prompt token. With prefix reuse only the part after what the cache shares is fed."""
+        _check_prompt(ids, self.max_len)
+        start = _reuse_point(self, ids)
+        self.rollback(start)
         t = torch.as_tensor(ids, device=self.device)
         hidden = []
-        for s in range(0, len(ids), self.prefill_chunk):
+        for s in range(start, len(ids), self.prefill_chunk):
             chunk = t[s:s + self.prefill_chunk]
             last = s + len(chunk) == len(ids)
             logits, h = self._run(chunk, self._arange[s:s + len(chunk)], None,
                                   logits_from=len(chunk) - 1 if last else len(chunk))
             hidden.append(h)
+        self.prefilled = len(ids) - start
+        if self.held is not None:
+            return ForwardOut(logits, self.held.prompt_hidden(len(ids)))
         return ForwardOut(logits, torch.cat(hidden))
 
     @torch.inference_mode()
     def forward(self, tokens: Tensor, depth: Tensor | None = None, mask: Tensor | None = None) -> ForwardOut:
         """Feed tokens (T,) at positions length + depth (a chain when depth is None) under mask (T, T)."""
         n = self.length
+        tokens = tokens.to(self.device)
         if self.static is not None and len(tokens) <= BUCKETS[-1]:
             if n + len(tokens) > self.max_len:
                 raise SpecdecError(f"KV cache overflow: {n + len(tokens)} positions needed but the cache holds "
                                    f"{self.max_len}; shorten the prompt or lower generation.max_new_tokens")
             logits, h = self.static(tokens, depth, mask, n)
             self.cache.advance(len(tokens))
+            if self.held is not None:
+                self.held.write(n, tokens, h)
             return ForwardOut(logits, h)
         pos = self._arange[n:n + len(tokens)] if depth is None else n + depth.to(self.device)
-        logits, h = self._run(tokens.to(self.device), pos, mask)
+        logits, h = self._run(tokens, pos, mask)
         return ForwardOut(logits, h)
 
     def _run(self, tokens: Tensor, positions: Tensor, mask: Tensor | None,
              logits_from: int = 0) -> tuple[Tensor, Tensor]:
+        n = self.length
         attn = self.cache.attention_mask(mask, len(tokens))
         logits, h = self.model(tokens[None], positions[None], self.cache, attn, logits_from=logits_from)
+        if self.held is not None:
+            self.held.write(n, tokens, h[0])
         return logits[0].float(), h[0]
 
     def rollback(self, length: int) -> None:
@@ -116,6 +187,8 @@ class StaticEngine:
 
     def compact(self, start: int, keep: list[int]) -> None:
         self.cache.compact(start, keep)
+        if self.held is not None:
+            self.held.compact(start, keep)
 
 
 class HFEngine:
@@ -123,7 +196,7 @@ class HFEngine:
 
     supports_trees = False
 
-    def __init__(self, model: Any, max_len: int, prefill_chunk: int = 512) -> None:
+    def __init__(self, model: Any, max_len: int, prefill_chunk: int = 512, prefix_cache: bool = False) -> None:
         from transformers import DynamicCache
 
         self.model = model
@@ -132,10 +205,18 @@ class HFEngine:
         self._cache_cls = DynamicCache
         self.cache = DynamicCache()
         self.length = 0
+        self.held: HeldTokens | None = None
+        self.prefilled = 0
+        self.reuse_prefix(prefix_cache)
 
     @property
     def device(self) -> torch.device:
         return self.model.device
+
+    def reuse_prefix(self, on: bool) -> None:
+        """Prefix reuse on or off; the cache starts empty either way (what it held was not tracked)."""
+        self.held = HeldTokens(self.max_len, self.device) if on else None
+        self.reset()
 
     def reset(self) -> None:
         self.cache = self._cache_cls()
@@ -143,13 +224,14 @@ class HFEngine:
 
     @torch.inference_mode()
     def prefill(self, ids: list[int]) -> ForwardOut:
-        if len(ids) >= self.max_len:
-            raise SpecdecError(f"prompt of {len(ids)} tokens does not fit the cache of {self.max_len}; "
-                               "shorten the prompt or raise generation.max_len")
-        self.reset()
+        _check_prompt(ids, self.max_len)
+        start = _reuse_point(self, ids)
+        self.rollback(start)  # a DynamicCache crops to any length: what it keeps is still valid
         t = torch.as_tensor(ids, device=self.device)
-        outs = [self.forward(t[s:s + self.prefill_chunk]) for s in range(0, len(ids), self.prefill_chunk)]
-        return ForwardOut(outs[-1].logits[-1:], torch.cat([o.hidden for o in outs]))
+        outs = [self.forward(t[s:s + self.prefill_chunk]) for s in range(start, len(ids), self.prefill_chunk)]
+        self.prefilled = len(ids) - start
+        hidden = self.held.prompt_hidden(len(ids)) if self.held is not None else torch.cat([o.hidden for o in outs])
+        return ForwardOut(outs[-1].logits[-1:], hidden)
 
     @torch.inference_mode()
     def forward(self, tokens: Tensor, depth: Tensor | None = None, mask: Tensor | None = None) -> ForwardOut:
@@ -159,10 +241,13 @@ class HFEngine:
         if self.length + len(tokens) > self.max_len:
             raise SpecdecError(f"KV cache overflow: {self.length + len(tokens)} positions needed but the cache "
                                f"holds {self.max_len}; shorten the prompt or lower generation.max_new_tokens")
-        out = self.model(tokens[None].to(self.device), past_key_values=self.cache, use_cache=True,
-                         output_hidden_states=True)
+        tokens = tokens.to(self.device)
+        out = self.model(tokens[None], past_key_values=self.cache, use_cache=True, output_hidden_states=True)
+        hidden = out.hidden_states[-1][0]  # (T, D)
+        if self.held is not None:
+            self.held.write(self.length, tokens, hidden)
         self.length += len(tokens)
-        return ForwardOut(out.logits[0].float(), out.hidden_states[-1][0])
+        return ForwardOut(out.logits[0].float(), hidden)
 
     def rollback(self, length: int) -> None:
         if not 0 <= length <= self.length:
@@ -178,6 +263,22 @@ class HFEngine:
         if keep != list(range(start, start + len(keep))):
             raise SpecdecError("token trees need the compact Llama-family model (model.backend=compact)")
         self.rollback(start + len(keep))
+
+
+def _check_prompt(ids: list[int], max_len: int) -> None:
+    if not ids:
+        raise SpecdecError("empty prompt: every turn needs at least one token")
+    if len(ids) >= max_len:
+        raise SpecdecError(f"prompt of {len(ids)} tokens does not fit the cache of {max_len}; "
+                           "shorten the prompt or raise generation.max_len")
+
+
+def _reuse_point(engine: StaticEngine | HFEngine, ids: list[int]) -> int:
+    """Where a prefill of ids starts feeding: after the prefix the cache already holds (0 without reuse),
+    at most len(ids) - 1, since the last prompt token must be fed for its logits."""
+    if engine.held is None:
+        return 0
+    return engine.held.shared_prefix(engine.length, ids[:-1])
 
 
 def pass_cost_curve(engine: Engine, sizes: list[int], context: int = 128, reps: int = 5) -> dict[int, float]:

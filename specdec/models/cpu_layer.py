@@ -7,8 +7,10 @@ compiled function per layer (`layer_forward`); calling it once per layer from Py
 4 ms of a 23 ms pass, so `FusedStack` now runs every layer and the final norm in one call. The math is
 `llama.Block`'s; `tests/test_model.py` checks the two agree.
 
-Batch of one, up to `cpu_kernels.MAX_ROWS` new tokens (decode steps, drafts, token trees); prefill
-chunks and batches take the torch path (`Block.forward`), whose large GEMMs BLAS does best.
+Up to `cpu_kernels.MAX_ROWS` new tokens (decode steps, drafts, token trees) of one sequence, or of
+several sequences of a batched cache at once (`FusedStack.run_segments`: the linears run once over every
+row, attention per sequence); prefill chunks take the torch path (`Block.forward`), whose large GEMMs BLAS
+does best.
 
 Attention reads K and V as panels the tile kernels multiply by (`KVCache.keep_panels`, kept beside the
 plain K/V that the torch path reads): before, a pass over 6 tokens (a 5-node tree) cost 1.13x a one-token
@@ -161,51 +163,60 @@ if cpu_kernels.available():
                 out[t, i] = g / (np.float32(1.0) + fast_exp(-g)) * gate_up[t, hidden + i]
 
     @njit
-    def layer_forward(x, rope, keys, values, key_panels, value_panels, start, mask, use_mask,  # pragma: no cover
+    def layer_forward(x, rope, keys, values, key_panels, value_panels, segments, mask, use_mask,  # pragma: no cover
                       attn_norm, wqkv, bqkv, bo, wo, mlp_norm, w_gate_up, w_down, eps, n_heads, n_kv, head_dim,
                       hidden, tiles, att_tiles):
-        """x (T, dim) -> the layer's output (T, dim); K/V of the T tokens written at slots start..
+        """x (R, dim) -> the layer's output (R, dim). The rows are segments of new tokens of the cache's
+        sequences, segments (n_seg, 4) [b, start, r0, n]: rows r0..r0+n-1 are sequence b's, their K/V go to
+        its slots start..start+n-1 and they attend over its slots 0..start+n-1 (mask rows r0.., as in _attend).
+        keys, values (B, Hkv, S_max, D) and their panels carry the batch axis.
         The four matrices come as `cpu_kernels.pack` panels, all of one type; `tiles` are the addresses of
         the kernels for that type (`cpu_kernels.tiles_for`), `att_tiles` those for float32 (attention's)."""
-        T, dim = x.shape
-        h = np.empty((T, dim), dtype=np.float32)
+        R, dim = x.shape
+        h = np.empty((R, dim), dtype=np.float32)
         _rms_norm(x, attn_norm, eps, h)
-        qkv = np.empty((T, wqkv.shape[0] * wqkv.shape[2]), dtype=np.float32)  # padded to whole panels
-        mm_into(h, wqkv, qkv, tiles)
-        for t in range(T):
+        qkv = np.empty((R, wqkv.shape[0] * wqkv.shape[2]), dtype=np.float32)  # padded to whole panels
+        mm_into(h, wqkv, qkv, tiles)  # every row at once: the weights are read once for all sequences
+        for t in range(R):
             for i in range(bqkv.shape[0]):
                 qkv[t, i] += bqkv[i]
-        att = np.zeros((T, n_heads * head_dim), dtype=np.float32)
-        _attend(qkv, rope, keys, values, key_panels, value_panels, start, mask, use_mask, n_heads, n_kv, head_dim, att,
-                att_tiles)
-        o = np.empty((T, wo.shape[0] * wo.shape[2]), dtype=np.float32)
+        att = np.zeros((R, n_heads * head_dim), dtype=np.float32)
+        # One sequence at a time: a segment's rows only see (and only write) their own sequence's slots, and
+        # _attend gives a row the same bits whatever else shares its call, so alone or batched agree.
+        # Without a mask (use_mask False) `mask` is a 1x1 placeholder: its row slices may be empty, never read.
+        for s in range(segments.shape[0]):
+            b, start, r0, r1 = segments[s, 0], segments[s, 1], segments[s, 2], segments[s, 2] + segments[s, 3]
+            _attend(qkv[r0:r1], rope[r0:r1], keys[b], values[b], key_panels[b], value_panels[b], start,
+                    mask[r0:r1], use_mask, n_heads, n_kv, head_dim, att[r0:r1], att_tiles)
+        o = np.empty((R, wo.shape[0] * wo.shape[2]), dtype=np.float32)
         mm_into(att, wo, o, tiles)
-        mid = np.empty((T, dim), dtype=np.float32)
-        for t in range(T):
+        mid = np.empty((R, dim), dtype=np.float32)
+        for t in range(R):
             for i in range(dim):
                 mid[t, i] = x[t, i] + (o[t, i] + bo[i])
         _rms_norm(mid, mlp_norm, eps, h)
-        gate_up = np.empty((T, w_gate_up.shape[0] * w_gate_up.shape[2]), dtype=np.float32)
+        gate_up = np.empty((R, w_gate_up.shape[0] * w_gate_up.shape[2]), dtype=np.float32)
         mm_into(h, w_gate_up, gate_up, tiles)
-        act = np.empty((T, hidden), dtype=np.float32)
+        act = np.empty((R, hidden), dtype=np.float32)
         _silu_mul(gate_up, hidden, act)
-        down = np.empty((T, w_down.shape[0] * w_down.shape[2]), dtype=np.float32)
+        down = np.empty((R, w_down.shape[0] * w_down.shape[2]), dtype=np.float32)
         mm_into(act, w_down, down, tiles)
-        for t in range(T):
+        for t in range(R):
             for i in range(dim):
                 mid[t, i] += down[t, i]
         return mid
 
     @njit(cache=True)
-    def stack_forward(x, rope, keys, values, key_panels, value_panels, start, mask, use_mask,  # pragma: no cover
+    def stack_forward(x, rope, keys, values, key_panels, value_panels, segments, mask, use_mask,  # pragma: no cover
                       attn_norms, wqkv, bqkv, bo, wo, mlp_norms, w_gate_up, w_down, norm, eps, n_heads, n_kv,
                       head_dim, hidden, tiles, att_tiles):
-        """Every layer, then the final norm: x (T, dim) -> final-norm hidden states (T, dim). Per-layer
-        arrays come stacked on a leading layer axis; keys, values (L, Hkv, S_max, D) and their
-        panels (KVCache.keep_panels) (L, Hkv, P, D, NB) and (L, Hkv, Pd, S_max, NB)."""
+        """Every layer, then the final norm: x (R, dim) -> final-norm hidden states (R, dim), the rows being
+        `segments` of the cache's sequences (layer_forward). Per-layer arrays come stacked on a leading
+        layer axis; keys, values (L, B, Hkv, S_max, D) and their panels (KVCache.keep_panels)
+        (L, B, Hkv, P, D, NB) and (L, B, Hkv, Pd, S_max, NB)."""
         for layer in range(attn_norms.shape[0]):
-            x = layer_forward(x, rope, keys[layer], values[layer], key_panels[layer], value_panels[layer], start, mask,
-                              use_mask, attn_norms[layer], wqkv[layer], bqkv[layer], bo[layer], wo[layer],
+            x = layer_forward(x, rope, keys[layer], values[layer], key_panels[layer], value_panels[layer], segments,
+                              mask, use_mask, attn_norms[layer], wqkv[layer], bqkv[layer], bo[layer], wo[layer],
                               mlp_norms[layer], w_gate_up[layer], w_down[layer], eps, n_heads, n_kv, head_dim, hidden,
                               tiles, att_tiles)
         out = np.empty_like(x)
@@ -261,22 +272,57 @@ class FusedStack:
 
     def __call__(self, model: Llama, x: Tensor, positions: Tensor, cache: KVCache,
                  mask: Tensor | None) -> Tensor:
-        """Final-norm hidden states (1, T, dim) of the layers' input x (1, T, dim); K/V written to the cache."""
-        rope = self.rope(model, positions[0].numpy())
-        no_mask = mask is None
-        m = self._all_visible if no_mask else mask[0, 0].numpy()  # (T, S)
+        """Final-norm hidden states (1, T, dim) of the layers' input x (1, T, dim); K/V written to the cache
+        after sequence 0's cached tokens (its length is the caller's to advance, as Llama.forward does)."""
+        segment = np.array([[0, cache.lengths[0], 0, x.shape[1]]], dtype=np.int64)
+        m = None if mask is None else mask[0, 0].numpy()  # (T, S)
+        return self.run_segments(model, x[0], positions[0], cache, segment, m)[None]
+
+    def run_segments(self, model: Llama, x: Tensor, positions: Tensor, cache: KVCache,
+                     segments: np.ndarray, mask: np.ndarray | None) -> Tensor:
+        """One pass over new tokens of several of the cache's sequences: the linears run once over all the
+        rows (their weights read once), attention per sequence.
+
+        x (R, dim) float32, positions (R,) long (rope's, per row). segments (n_seg, 4) int64
+        [b, start, r0, n]: rows r0..r0+n-1 are sequence b's new tokens, at its slots start..start+n-1
+        (start = how many it has cached); every row belongs to exactly one segment, in any order of b.
+        mask (R, S) bool, S >= every start + n: mask[r, j] whether row r sees slot j of its own sequence;
+        None: every row sees all of its sequence's slots up to its segment's end, which is right for one
+        new token per segment. Writes each segment's K/V (k, v and the panels) into sequence b's slots;
+        cache.lengths stay as they are (the caller advances them). Returns final-norm hidden states (R, dim).
+        Sequences with no segment are left bitwise untouched."""
+        R = x.shape[0]
+        segments = np.ascontiguousarray(segments, dtype=np.int64)
+        _check_segments(segments, R, cache.batch, cache.max_len, mask)
+        rope = self.rope(model, positions.numpy())  # (R, D/2, 2)
+        use_mask = mask is not None
+        m = np.ascontiguousarray(mask, dtype=np.bool_) if use_mask else self._all_visible  # one array type: one compile
         if cache.key_panels is None or cache.value_panels is None:
             cache.keep_panels(self.att_panel)
         h = stack_forward(
-            np.ascontiguousarray(x[0].numpy()), rope, cache.k.numpy()[:, 0], cache.v.numpy()[:, 0],
-            cache.key_panels.numpy()[:, 0], cache.value_panels.numpy()[:, 0],
-            cache.lengths[0], m, not no_mask,
+            np.ascontiguousarray(x.detach().numpy()), rope, cache.k.numpy(), cache.v.numpy(),
+            cache.key_panels.numpy(), cache.value_panels.numpy(), segments, m, use_mask,
             self.attn_norms, self.wqkv, self.bqkv, self.bo, self.wo, self.mlp_norms, self.w_gate_up,
             self.w_down, self.norm, self.norm_eps, self.n_heads, self.n_kv, self.head_dim, self.hidden, self.tiles,
             self.att_tiles)
-        return torch.from_numpy(h)[None]
+        return torch.from_numpy(h)
 
     _all_visible = np.ones((1, 1), dtype=np.bool_)
+
+
+def _check_segments(segments: np.ndarray, rows: int, batch: int, max_len: int, mask: np.ndarray | None) -> None:
+    """Refuse segments the compiled pass would follow out of its arrays (numba checks no bounds)."""
+    if segments.ndim != 2 or segments.shape[1] != 4 or not len(segments):
+        raise ValueError(f"segments: expected (n_seg, 4) [b, start, r0, n], got shape {segments.shape}")
+    b, start, r0, n = segments.T
+    order = np.argsort(r0, kind="stable")
+    ends = np.cumsum(n[order])
+    if ((b < 0) | (b >= batch) | (start < 0) | (n < 1) | (start + n > max_len)).any() \
+            or r0[order][0] != 0 or (r0[order][1:] != ends[:-1]).any() or ends[-1] != rows:
+        raise ValueError(f"segments {segments.tolist()} do not split {rows} rows among a batch of {batch} "
+                         f"sequences of at most {max_len} slots")
+    if mask is not None and (mask.ndim != 2 or mask.shape[0] != rows or mask.shape[1] < (start + n).max()):
+        raise ValueError(f"mask of shape {mask.shape}: expected ({rows}, >= {(start + n).max()})")
 
 
 def _stack_panels(linears: list) -> np.ndarray:

@@ -41,16 +41,21 @@ import contextlib
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
+from specdec.engine.batch import BatchEngine
 from specdec.engine.engine import Engine, ForwardOut, HFEngine, StaticEngine
 from specdec.engine.sampling import SamplingParams, check_finite, new_generator, read_greedy, sample, warp
 from specdec.engine.timing import SpanTimer, clock
+from specdec.errors import SpecdecError
 from specdec.models.loader import LoadedModel
 from specdec.trees import depth_list, tree_depth, tree_mask
 from specdec.verify import Proposal, Verdict, verify
+
+if TYPE_CHECKING:
+    from specdec.strategies.batched import BatchDecoder, BatchProposer
 
 
 @dataclass(frozen=True)
@@ -141,11 +146,24 @@ class Strategy(ABC):
     """
 
     name: str
+    prefix_cache: bool = False  # whether turns reuse the cached prefix of the last one (`reuse_prefix`)
 
     @abstractmethod
     def generate(self, prompt_ids: list[int], params: GenerationParams, seed: int) -> TurnResult:
         """Answer one turn. `seed` makes sampling repeatable (each turn gets its own); at temperature 0 it
-        is unused. Called many times on one instance: nothing of one turn may leak into the next."""
+        is unused. Called many times on one instance: nothing of one turn may leak into the next (a cached
+        prefix reused under `reuse_prefix` is the same K/V a full prefill would compute)."""
+
+    def reuse_prefix(self, on: bool) -> None:
+        """generation.prefix_cache: whether a turn may keep the cached prefix its prompt shares with what
+        the last turn left in the caches, prefilling only the rest (`prefix_cache` says whether it does).
+        A strategy without engines of ours (transformers' own generate, strategies/hf.py) never does."""
+        return None
+
+    def new_conversation(self) -> None:
+        """Called before a conversation's first turn: its prompt is then prefilled in full, so turn 0 is
+        timed alike with and without reuse (a warm-up turn on the same prompt would otherwise be reused)."""
+        return None
 
 
 class Proposer(Protocol):
@@ -211,6 +229,19 @@ def torch_threads(n: int | None) -> Iterator[None]:
         torch.set_num_threads(before)
 
 
+_batch_engines: dict[tuple[int, int, int, int], BatchEngine] = {}
+
+
+def shared_batch_engine(target: LoadedModel, batch: int, max_len: int, prefill_chunk: int) -> BatchEngine:
+    """One batched cache per target and size, shared by the strategies of a run (they take turns):
+    B slots of max_len tokens each are the largest buffers of a run."""
+    key = (id(target.model), batch, max_len, prefill_chunk)
+    if key not in _batch_engines:
+        _batch_engines.clear()  # one size at a time
+        _batch_engines[key] = BatchEngine(target.model, batch, max_len, prefill_chunk)
+    return _batch_engines[key]
+
+
 def make_engine(target: LoadedModel, max_len: int, prefill_chunk: int) -> Engine:
     if target.backend == "compact":
         return StaticEngine(target.model, max_len, prefill_chunk, compile=target.compile)
@@ -225,6 +256,19 @@ class SpeculativeStrategy(Strategy):
         self.target = target
         self.engine = make_engine(target, max_len, prefill_chunk)
 
+    def engines(self) -> list[Engine]:
+        """Every engine of this strategy (the target's, and a drafter's where it has its own)."""
+        return [self.engine]
+
+    def reuse_prefix(self, on: bool) -> None:
+        for engine in self.engines():
+            engine.reuse_prefix(on)
+        self.prefix_cache = on
+
+    def new_conversation(self) -> None:
+        for engine in self.engines():
+            engine.reset()
+
     def make_proposer(self) -> Proposer | None:
         """A fresh proposer for a turn; None decodes one token per target pass. State that should
         outlive a turn (trained weights, measured pass costs, a draft model's caches, reused) lives
@@ -234,6 +278,32 @@ class SpeculativeStrategy(Strategy):
     def generate(self, prompt_ids: list[int], params: GenerationParams, seed: int) -> TurnResult:
         with torch_threads(self.target.torch_threads), torch.inference_mode():
             return self._generate(prompt_ids, params, seed)
+
+    # Whether make_proposer's proposers may serve several slots at once: they keep nothing shared (a
+    # draft model's cache, the target engine's length) outside themselves. Plain decoding always may.
+    batchable = False
+
+    def batch_decoder(self, batch: int, params: GenerationParams) -> BatchDecoder:
+        """This strategy over `batch` slots of one cache (generation.batch_size, specdec.strategies.batched)."""
+        from specdec.strategies.batched import BatchDecoder
+
+        plain = type(self).make_proposer is SpeculativeStrategy.make_proposer
+        if not (plain or self.batchable):
+            raise SpecdecError(f"strategy {self.name} cannot decode in batches yet; run it with "
+                               "generation.batch_size=1 (batched: greedy, prompt_lookup)")
+        if self.target.backend != "compact":
+            raise SpecdecError("generation.batch_size > 1 needs the compact Llama-family model "
+                               "(model.backend=compact)")
+        engine = shared_batch_engine(self.target, batch, self.engine.max_len, self.engine.prefill_chunk)
+        return BatchDecoder(engine, params, self.target.tokenizer, None if plain else self.batch_proposer(engine),
+                            self.accept, prefix_cache=self.prefix_cache)
+
+    def batch_proposer(self, engine: BatchEngine) -> BatchProposer:
+        """What proposes for the slots of `engine` (default: this strategy's proposers, one per slot and
+        turn; a strategy whose proposers read pass costs re-measures them there, at the batch's size)."""
+        from specdec.strategies.batched import PerSlot
+
+        return PerSlot(self.make_proposer)
 
     def _pick(self, logits: torch.Tensor, state: DecodeState) -> int:
         """The target's token after logits (V,): at temperature 0 one read that also checks finiteness."""

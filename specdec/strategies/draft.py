@@ -23,6 +23,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from specdec.engine.batch import BatchEngine
 from specdec.engine.engine import Engine, ForwardOut, StaticEngine, pass_cost_curve
 from specdec.engine.kv_cache import KVCache
 from specdec.engine.sampling import sample, warp
@@ -31,6 +32,7 @@ from specdec.errors import SpecdecError
 from specdec.models.loader import LoadedModel, check_same_tokenizer
 from specdec.ngram import as_tokens
 from specdec.strategies.base import DecodeState, Proposer, SpeculativeStrategy, make_engine
+from specdec.strategies.batched import BatchProposer
 from specdec.strategies.rate import RateMeter, SitOutGate
 from specdec.verify import Proposal, Verdict
 
@@ -618,6 +620,22 @@ class DraftStrategy(SpeculativeStrategy):
         self.schedule = schedule if schedule is not None else FixedLength()
         self.schedule.calibrate(self.engine)
         self.last_proposer: DraftProposer | None = None
+
+    def engines(self) -> list[Engine]:
+        return [self.engine, self.drafter.engine]  # the draft's cache reuses the prompt's prefix too
+
+    batchable = True  # through its own batched proposer (strategies/batched_draft.py)
+
+    def batch_proposer(self, engine: BatchEngine) -> BatchProposer:
+        from specdec.strategies.batched_draft import BatchCosts, BatchedDraft
+
+        if not isinstance(self.drafter.engine, StaticEngine):
+            raise SpecdecError("batched drafting needs a compact-model draft (model.backend=compact); run "
+                               "this draft with generation.batch_size=1")
+        drafter = BatchEngine(self.drafter.engine.model, engine.batch, engine.max_len, engine.prefill_chunk)
+        longest = min(getattr(self.schedule, "max_gamma", 8), 8)
+        return BatchedDraft(drafter, self.drafter.token_ids, self.drafter.target_vocab,
+                            BatchCosts.measure(engine, drafter, longest), max_gamma=longest)
 
     def make_proposer(self) -> Proposer:
         self.last_proposer = DraftProposer(

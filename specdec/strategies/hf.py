@@ -56,6 +56,9 @@ class HFGenerate(Strategy):
     step `torch.compile`d through `generate(compile_config=...)` (mode reduce-overhead: CUDA graphs).
     compile `auto` compiles where transformers does by default (CUDA), `true` on any device (inductor
     on a CPU: slow to compile, for tests), `false` never. Prefill runs eagerly, as transformers does it.
+
+    No prefix reuse (generation.prefix_cache): generate() builds its own cache for every call, so each turn
+    prefills its whole conversation; `reuse_prefix` stays Strategy's no-op.
     """
 
     def __init__(self, target: LoadedModel, name: str, prompt_lookup_num_tokens: int | None = None,

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from specdec.engine.engine import ForwardOut, pass_cost_curve
+from specdec.engine.engine import Engine, ForwardOut, pass_cost_curve
 from specdec.engine.timing import clock
 from specdec.errors import SpecdecError
 from specdec.models.loader import LoadedModel
@@ -102,6 +102,9 @@ class LookupHybrid(SpeculativeStrategy):
         self.meter = RateMeter(prior_rate)
         self.probe_every = probe_every
         self.last_proposer: LookupFirst | None = None
+
+    def engines(self) -> list[Engine]:
+        return self.inner.engines()  # the target's engine is the inner strategy's
 
     def make_proposer(self) -> Proposer:
         model = self.inner.make_proposer()

@@ -8,11 +8,13 @@ are verified together as a small token tree.
 
 from __future__ import annotations
 
+from specdec.engine.batch import BatchEngine, batch_pass_cost_curve
 from specdec.engine.engine import ForwardOut, pass_cost_curve
 from specdec.errors import SpecdecError
 from specdec.models.loader import LoadedModel
 from specdec.ngram import NGramIndex, as_tokens, candidates_to_tree, lookup, match_length
 from specdec.strategies.base import DecodeState, Proposer, SpeculativeStrategy
+from specdec.strategies.batched import BatchProposer, PerSlot
 from specdec.verify import Proposal, Verdict
 
 
@@ -141,6 +143,15 @@ class PromptLookup(SpeculativeStrategy):
         rows = [1 + k * num_candidates for k in range(1, num_draft_tokens + 1)]
         self.costs = {1: 1.0, **pass_cost_curve(self.engine, rows)} if gate else None
 
-    def make_proposer(self) -> Proposer:
+    batchable = True  # a proposer holds only its own n-gram index
+
+    def make_proposer(self, costs: dict[int, float] | None = None) -> Proposer:
         return PromptLookupProposer(self.ngram_min, self.ngram_max, self.num_draft_tokens, self.num_candidates,
-                                    self.min_draft_tokens, self.adaptive, self.engine.max_len, self.costs)
+                                    self.min_draft_tokens, self.adaptive, self.engine.max_len,
+                                    costs if costs is not None else self.costs)
+
+    def batch_proposer(self, engine: BatchEngine) -> BatchProposer:
+        # in a batch a draft lengthens every slot's pass: its price is the pass with every slot drafting
+        rows = [1 + k * self.num_candidates for k in range(1, self.num_draft_tokens + 1)]
+        costs = {1: 1.0, **batch_pass_cost_curve(engine, rows)} if self.costs is not None else None
+        return PerSlot(lambda: self.make_proposer(costs))

@@ -1,0 +1,257 @@
+"""Continuous batching: B slots decode at once, one target pass per step for all of them.
+
+Each slot answers one conversation, turn after turn; when it finishes, the slot takes the next
+conversation at once. Every step gathers each busy slot's root and proposal (a `BatchProposer`:
+per-slot proposers, the ones the batch-1 loop runs, or one drafter pass for every slot), runs one
+`BatchEngine.step`, verifies each slot on its own (ragged acceptance) and rolls back or compacts
+each slot's cache on its own.
+
+Prefix reuse (generation.prefix_cache): a slot keeps the conversation's cache between turns, so a
+later turn prefills only what its cache does not already hold. A conversation's first turn prefills
+whole, as in the batch-1 loop, so first-turn TTFTs compare fairly.
+
+Time accounting (answers.jsonl): a step's elapsed time is shared equally by the answers that were in
+it, and an admission's prefill belongs to the answer admitted, so the answers' wall times add up to
+the run's elapsed time and tokens/s over a run is its new tokens over that time. `ttft_s` runs from
+the moment the question was admitted to a slot.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+from specdec.engine.batch import BatchEngine, Feed
+from specdec.engine.engine import ForwardOut
+from specdec.engine.sampling import check_finite, new_generator, read_greedy, sample, warp
+from specdec.engine.timing import clock
+from specdec.errors import SpecdecError
+from specdec.strategies.base import DecodeState, GenerationParams, Proposer, TurnResult, stop_cut
+from specdec.trees import tree_depth, tree_mask
+from specdec.verify import Proposal, Verdict
+
+
+@dataclass
+class Job:
+    """One conversation: `prompt(turn)` builds a turn's prompt ids once the earlier turns are answered
+    (`done(turn, prompt_ids, result)` is called for each, in order); turns first..turns-1 are answered."""
+
+    turns: int
+    prompt: Callable[[int], list[int]]
+    seed: Callable[[int], int]
+    done: Callable[[int, list[int], TurnResult], None]
+    first: int = 0
+    fail: Callable[[int, Exception], None] | None = None  # a turn that cannot run ends its job (else: raised)
+
+
+@dataclass
+class Slot:
+    job: Job
+    turn: int
+    state: DecodeState
+    result: TurnResult
+    stopped: bool = False  # a stop string ended the turn
+
+
+class BatchProposer(Protocol):
+    """Proposes for every busy slot at once (a `Proposer` per slot, or one drafter pass for all slots).
+
+    The batch-1 contract per slot (strategies/base.py, `Proposer`): `start` once per turn after its
+    prefill, `propose` for the slots of a step, `commit` after every pass that leaves a turn going on.
+    """
+
+    def start(self, b: int, state: DecodeState, out: ForwardOut, fresh: bool) -> None: ...
+
+    def propose(self, states: dict[int, DecodeState]) -> dict[int, Proposal | None]: ...
+
+    def commit(self, b: int, state: DecodeState, verdict: Verdict, out: ForwardOut) -> None: ...
+
+
+class PerSlot:
+    """A BatchProposer of independent per-slot proposers (fresh for every turn), e.g. prompt lookup's."""
+
+    def __init__(self, make_proposer: Callable[[], Proposer | None]) -> None:
+        self.make_proposer = make_proposer
+        self.proposers: dict[int, Proposer | None] = {}
+
+    def start(self, b: int, state: DecodeState, out: ForwardOut, fresh: bool) -> None:
+        self.proposers[b] = self.make_proposer()
+        if self.proposers[b] is not None:
+            self.proposers[b].start(state, out)  # type: ignore[union-attr]
+
+    def propose(self, states: dict[int, DecodeState]) -> dict[int, Proposal | None]:
+        return {b: p.propose(states[b]) if (p := self.proposers.get(b)) is not None else None for b in states}
+
+    def commit(self, b: int, state: DecodeState, verdict: Verdict, out: ForwardOut) -> None:
+        if (p := self.proposers.get(b)) is not None:
+            p.commit(state, verdict, out)
+
+
+class BatchDecoder:
+    """Runs jobs through `engine`'s slots, `proposer` proposing for them (None: plain decoding).
+
+    `accept(proposal, logits, state)` is the strategy's acceptance rule (`SpeculativeStrategy.accept`).
+    """
+
+    def __init__(self, engine: BatchEngine, params: GenerationParams, tokenizer: Any,
+                 proposer: BatchProposer | None,
+                 accept: Callable[[Proposal, torch.Tensor, DecodeState], Verdict], prefix_cache: bool = True) -> None:
+        self.engine, self.params, self.tokenizer = engine, params, tokenizer
+        self.proposer, self.accept, self.prefix_cache = proposer, accept, prefix_cache
+        self.held: list[list[int]] = [[] for _ in range(engine.batch)]  # token ids each slot's cache holds
+
+    def run(self, jobs: Iterable[Job]) -> None:
+        self.held = [[] for _ in range(self.engine.batch)]  # a run starts cold, whatever ran before
+        queue: Iterator[Job] = iter(jobs)
+        slots: list[Slot | None] = [None] * self.engine.batch
+        with torch.inference_mode():
+            while True:
+                for b in range(len(slots)):
+                    while slots[b] is None and (job := next(queue, None)) is not None:
+                        slots[b] = self._admit(b, job, job.first)
+                busy = [b for b, s in enumerate(slots) if s is not None]
+                if not busy:
+                    return
+                self._step({b: slots[b] for b in busy})  # type: ignore[misc]
+                for b in busy:
+                    s = slots[b]
+                    assert s is not None
+                    if self._finished(s):
+                        slots[b] = self._finish(b, s)
+
+    def _admit(self, b: int, job: Job, turn: int) -> Slot | None:
+        """Prefill turn `turn` of job into slot b (only what the slot's cache does not hold); None if
+        the job has no turns left."""
+        if turn >= job.turns:
+            return None
+        device = self.engine.device
+        start = clock(device)
+        fresh = turn == job.first or not self.prefix_cache  # a conversation's first turn prefills whole
+        try:
+            prompt = job.prompt(turn)
+            held = [] if fresh else self.held[b]
+            reuse = 0
+            limit = min(len(held), len(prompt) - 1)
+            while reuse < limit and held[reuse] == prompt[reuse]:
+                reuse += 1
+            out = self.engine.prefill(b, prompt, reuse)
+        except SpecdecError as e:
+            if job.fail is None:
+                raise
+            self.held[b] = []
+            job.fail(turn, e)
+            return None
+        gen = None if self.params.sampling.greedy else new_generator(device, job.seed(turn))
+        state = DecodeState(list(prompt), len(prompt), self.params, gen)
+        state.ids.append(self._pick(out.logits[-1], state))
+        elapsed = clock(device) - start
+        slot = Slot(job, turn, state, TurnResult([], elapsed, elapsed, 0, [1]))
+        slot.stopped = stop_cut(self.tokenizer, state.ids, state.prompt_len, state.prompt_len,
+                                self.params.stop) is not None
+        if not self._finished(slot) and self.proposer is not None:
+            self.proposer.start(b, state, out, fresh)
+        return slot
+
+    def _finish(self, b: int, s: Slot) -> Slot | None:
+        """Record the slot's turn; the slot then takes the conversation's next turn or is free."""
+        s.result.output_ids = s.state.ids[s.state.prompt_len:]
+        # the cache holds every committed token but the last (and maybe nodes past a stop cut): keep those
+        self.held[b] = s.state.ids[:-1]
+        self.engine.rollback(b, min(self.engine.length(b), len(self.held[b])))
+        del self.held[b][self.engine.length(b):]
+        s.job.done(s.turn, s.state.ids[:s.state.prompt_len], s.result)
+        return self._admit(b, s.job, s.turn + 1)
+
+    def _finished(self, s: Slot) -> bool:
+        st, p = s.state, self.params
+        return s.stopped or st.output_len >= p.max_new_tokens or st.ids[-1] in p.eos_ids
+
+    def _pick(self, logits: torch.Tensor, state: DecodeState) -> int:
+        sp = state.params.sampling
+        if sp.greedy:
+            return read_greedy(logits[None])[0][0]
+        check_finite(logits)
+        return sample(warp(logits, sp), state.generator)
+
+    def _step(self, slots: dict[int, Slot]) -> None:
+        """Propose for every slot, one pass for all, then verify and commit each slot on its own."""
+        device = self.engine.device
+        start = clock(device)
+        proposals: dict[int, Proposal | None] = {b: None for b in slots}
+        if self.proposer is not None:
+            proposals |= self.proposer.propose({b: s.state for b, s in slots.items()})
+        feeds: dict[int, Feed] = {}
+        for b, s in slots.items():
+            p = proposals[b]
+            root = torch.tensor([s.state.ids[-1]])
+            if p is None or len(p.tokens) == 0:
+                proposals[b] = None
+                feeds[b] = Feed(root)
+                continue
+            tokens = torch.cat([root.to(p.tokens.device), p.tokens])
+            if p.is_chain and p.mask is None:
+                feeds[b] = Feed(tokens)
+            else:
+                mask = p.mask if p.mask is not None else tree_mask(p.parents)
+                depth = p.depth if p.depth is not None else tree_depth(p.parents)
+                feeds[b] = Feed(tokens, depth, mask)
+        bases = {b: self.engine.length(b) for b in slots}
+        outs = self.engine.step(feeds)
+        verdicts = self._verdicts(slots, proposals, outs)
+        for b, s in slots.items():
+            keep = [0, *verdicts[b].nodes]
+            if keep == list(range(len(keep))):
+                self.engine.rollback(b, bases[b] + len(keep))
+            else:
+                self.engine.compact(b, bases[b], [bases[b] + n for n in keep])
+            self._commit(b, s, proposals[b], verdicts[b], outs[b])
+        share = (clock(device) - start) / len(slots)
+        for s in slots.values():
+            s.result.wall_time_s += share
+
+    def _verdicts(self, slots: dict[int, Slot], proposals: dict[int, Proposal | None],
+                  outs: dict[int, Any]) -> dict[int, Verdict]:
+        """Each slot's verdict; at temperature 0 the plain steps' tokens come in one read for all."""
+        verdicts: dict[int, Verdict] = {}
+        plain = [b for b in slots if proposals[b] is None]
+        if plain and self.params.sampling.greedy:
+            picks = read_greedy(torch.stack([outs[b].logits[-1] for b in plain]))[0]
+            verdicts |= {b: Verdict([], [t]) for b, t in zip(plain, picks)}
+        for b, s in slots.items():
+            p = proposals[b]
+            if b in verdicts:
+                continue
+            if p is None:
+                verdicts[b] = Verdict([], [self._pick(outs[b].logits[-1], s.state)])
+            else:
+                if not self.params.sampling.greedy:
+                    check_finite(outs[b].logits)
+                verdicts[b] = self.accept(p, outs[b].logits, s.state)
+        return verdicts
+
+    def _commit(self, b: int, s: Slot, proposal: Proposal | None, verdict: Verdict, out: Any) -> None:
+        """The batch-1 loop's bookkeeping for one slot: budget, EOS, stop strings, counts, proposer."""
+        from specdec.strategies.base import SpeculativeStrategy
+
+        st, p, res = s.state, self.params, s.result
+        res.decode_steps = (res.decode_steps or 0) + 1
+        new = verdict.tokens[:p.max_new_tokens - st.output_len]
+        for j, tok in enumerate(new):
+            if tok in p.eos_ids:
+                new = new[:j + 1]
+                break
+        first = len(st.ids)
+        st.ids.extend(new)
+        cut = stop_cut(self.tokenizer, st.ids, st.prompt_len, first, p.stop)
+        if cut is not None:
+            del st.ids[cut:]
+            new = new[:cut - first]
+            s.stopped = True
+        res.accept_lengths.append(len(new))  # type: ignore[union-attr]
+        if proposal is not None:
+            SpeculativeStrategy._count(res, proposal, verdict)
+        if self.proposer is not None and not self._finished(s):
+            self.proposer.commit(b, st, verdict, out)

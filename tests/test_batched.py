@@ -1,0 +1,156 @@
+"""Batched decoding (generation.batch_size): every sequence's tokens are its batch-of-one tokens.
+
+References are the batch-1 loop (`Strategy.generate`) and fresh prefills; both the torch path (padded
+rows under masks) and the CPU kernels' segmented pass are checked.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+from collections.abc import Callable
+
+import pytest
+import torch
+
+from specdec.engine.batch import BatchEngine, Feed
+from specdec.engine.engine import StaticEngine
+from specdec.errors import SpecdecError
+from specdec.models import cpu_kernels
+from specdec.models.loader import LoadedModel, load_model
+from specdec.models.tiny import tiny_folder
+from specdec.strategies.base import GenerationParams, TurnResult
+from specdec.strategies.batched import Job
+from specdec.strategies.draft import DraftStrategy, FixedLength
+from specdec.strategies.greedy import Greedy
+from specdec.strategies.prompt_lookup import PromptLookup
+from specdec.trees import tree_depth, tree_mask
+
+PATHS = ["torch", pytest.param("numba", marks=pytest.mark.skipif(not cpu_kernels.available(), reason="needs numba"))]
+
+
+def prompts(n: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    # repeated n-grams give prompt lookup something to copy
+    return [[rng.randrange(3, 500) for _ in range(rng.randrange(4, 12))] * rng.randrange(1, 4) for _ in range(n)]
+
+
+def batched_outputs(strategy: Greedy, jobs_prompts: list[list[int]], params: GenerationParams,
+                    batch: int, draft_length: int | None = None) -> list[list[int]]:
+    outs: dict[int, list[int]] = {}
+    proposed = []
+
+    def job(i: int, p: list[int]) -> Job:
+        def done(t: int, ids: list[int], res: TurnResult) -> None:
+            outs[i] = res.output_ids
+            proposed.append(res.proposed)
+        return Job(1, lambda t: p, lambda t: 0, done)
+
+    decoder = strategy.batch_decoder(batch, params)
+    if draft_length is not None:  # a fixed length, so that drafting (and rejection) surely happens
+        decoder.proposer.length = lambda: draft_length  # type: ignore[union-attr]
+    decoder.run([job(i, p) for i, p in enumerate(jobs_prompts)])
+    assert draft_length is None or sum(proposed) > 0
+    return [outs[i] for i in range(len(jobs_prompts))]
+
+
+@pytest.mark.parametrize("matmul", PATHS)
+@pytest.mark.parametrize("kind", ["greedy", "prompt_lookup", "draft"])
+def test_each_sequence_decodes_its_batch_of_one_tokens(load_tiny: Callable[..., LoadedModel], matmul: str,
+                                                       kind: str) -> None:
+    target = load_tiny("llama", matmul=matmul)
+    if kind == "draft":  # another random model on the same tokenizer: some drafts accepted, most not
+        other = load_model("tiny-llama-other", str(tiny_folder(model_type="llama", seed=7)), matmul=matmul)
+        strategy: Greedy = DraftStrategy(target, "draft", other, FixedLength(3), 256, 64)  # type: ignore[assignment]
+    else:
+        strategy = (Greedy(target, "greedy", max_len=256) if kind == "greedy"
+                    else PromptLookup(target, "prompt_lookup", max_len=256, gate=False))
+    ps = prompts(6)
+    params = GenerationParams(max_new_tokens=24)
+    alone = [strategy.generate(p, params, 0).output_ids for p in ps]
+    # an EOS token from the middle of one answer: that sequence (at least) ends early, its slot is refilled
+    eos = alone[2][10]
+    params = dataclasses.replace(params, eos_ids=(eos,))
+    alone = [strategy.generate(p, params, 0).output_ids for p in ps]
+    assert len({len(a) for a in alone}) > 1
+    assert batched_outputs(strategy, ps, params, batch=4, draft_length=3 if kind == "draft" else None) == alone
+
+
+@pytest.mark.parametrize("matmul", PATHS)
+def test_later_turns_prefill_only_what_the_slot_does_not_hold(load_tiny: Callable[..., LoadedModel],
+                                                              matmul: str) -> None:
+    target = load_tiny("llama", matmul=matmul)
+    strategy = Greedy(target, "greedy", max_len=512)
+    strategy.reuse_prefix(True)  # generation.prefix_cache, as the runner sets it
+    params = GenerationParams(max_new_tokens=12)
+    extra = prompts(9, seed=1)
+    decoder = strategy.batch_decoder(2, params)
+    starts: list[int] = []
+    prefill = decoder.engine.prefill
+    decoder.engine.prefill = lambda b, ids, start=0: (starts.append(start), prefill(b, ids, start))[1]  # type: ignore
+
+    convs: dict[int, list[list[int]]] = {i: [] for i in range(3)}  # each conversation's prompts
+    outs: dict[tuple[int, int], list[int]] = {}
+
+    def job(i: int) -> Job:
+        def prompt(t: int) -> list[int]:
+            before = convs[i][-1] + outs[i, t - 1] if t else []
+            convs[i].append(before + extra[3 * i + t])
+            return convs[i][-1]
+        return Job(3, prompt, lambda t: 0, lambda t, ids, res: outs.__setitem__((i, t), res.output_ids))
+
+    decoder.run([job(i) for i in range(3)])
+    for i in range(3):
+        for t in range(3):
+            assert outs[i, t] == strategy.generate(convs[i][t], params, 0).output_ids
+    # turn 0 prefills whole; turns 1 and 2 reuse all but the last answer token of the turn before
+    assert sorted(starts)[:3] == [0, 0, 0]
+    reused = sorted(starts)[3:]
+    expected = sorted(len(convs[i][t - 1]) + len(outs[i, t - 1]) - 1 for i in range(3) for t in (1, 2))
+    assert reused == expected
+
+
+@pytest.mark.parametrize("matmul", PATHS)
+@pytest.mark.parametrize("seed", range(4))
+def test_ragged_rollback_and_compaction_match_a_fresh_prefill(load_tiny: Callable[..., LoadedModel], matmul: str,
+                                                              seed: int) -> None:
+    model = load_tiny("llama", matmul=matmul).model
+    rng = random.Random(seed)
+    engine = BatchEngine(model, batch=3, max_len=128)
+    held: list[list[int]] = []
+    for b in range(3):
+        held.append([rng.randrange(500) for _ in range(rng.randrange(2, 30))])
+        engine.prefill(b, held[b])
+    for _ in range(8):
+        fed = rng.sample(range(3), rng.randrange(1, 4))
+        feeds, plans = {}, {}
+        for b in fed:
+            n = rng.randrange(0, 5)
+            parents = [rng.randrange(0, i + 1) if rng.random() < 0.5 else i for i in range(n)]
+            tokens = torch.tensor([rng.randrange(500) for _ in range(n + 1)])
+            feeds[b] = Feed(tokens, tree_depth(parents), tree_mask(parents)) if n else Feed(tokens)
+            node = rng.randrange(0, n + 1)  # accept the path from the root to a random node
+            path = [node]
+            while path[-1]:
+                path.append(parents[path[-1] - 1])
+            plans[b] = (tokens.tolist(), sorted(path))
+        bases = {b: engine.length(b) for b in fed}
+        engine.step(feeds)
+        for b in fed:
+            tokens, keep = plans[b]
+            engine.compact(b, bases[b], [bases[b] + k for k in keep])
+            held[b] += [tokens[k] for k in keep]
+    for b in range(3):
+        assert engine.length(b) == len(held[b])
+        fresh = StaticEngine(model, 128)
+        fresh.prefill(held[b])
+        n = len(held[b])
+        torch.testing.assert_close(engine.cache.k[:, b, :, :n], fresh.cache.k[:, 0, :, :n], atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(engine.cache.v[:, b, :, :n], fresh.cache.v[:, 0, :, :n], atol=1e-5, rtol=1e-4)
+
+
+def test_a_strategy_that_cannot_batch_says_so(tiny_target: LoadedModel) -> None:
+    from specdec.strategies.lookahead import Lookahead
+
+    with pytest.raises(SpecdecError, match="cannot decode in batches yet.*batch_size=1"):
+        Lookahead(tiny_target, "lookahead", max_len=128).batch_decoder(2, GenerationParams())

@@ -1,0 +1,131 @@
+"""The CPU kernels' fused pass over several sequences at once (cpu_layer.FusedStack.run_segments): each
+sequence's rows get bitwise what running that sequence alone through the batch-1 fused pass gives, and
+each sequence's cache gets exactly the K/V (and panels) the lone run writes."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+import pytest
+import torch
+from helpers import random_ids
+from torch import Tensor
+
+from specdec.engine.kv_cache import KVCache
+from specdec.models import cpu_kernels
+from specdec.models.llama import Llama
+from specdec.models.loader import LoadedModel
+
+pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="needs numba")
+
+VOCAB, MAX_LEN = 512, 64
+PARTS = ("k", "v", "key_panels", "value_panels")
+
+
+def chain(n: int) -> Tensor:
+    return torch.ones(n, n, dtype=torch.bool).tril()
+
+
+@pytest.fixture(scope="module")
+def model(load_tiny: Callable[..., LoadedModel]) -> Llama:
+    m = load_tiny("llama", matmul="numba").model
+    assert type(m.fused).__name__ == "FusedStack"
+    return m
+
+
+def prefilled(model: Llama, lengths: list[int]) -> KVCache:
+    """A batch cache whose sequence b holds a random prompt of lengths[b] tokens, each prefilled alone
+    (a batch-1 cache per prompt, its K/V copied in; panels then built from them)."""
+    cache = model.new_cache(MAX_LEN, batch=len(lengths))
+    for b, n in enumerate(lengths):
+        one = model.new_cache(MAX_LEN)
+        model.forward(torch.tensor([random_ids(n, VOCAB, seed=20 + b)]), torch.arange(n)[None], one,
+                      one.attention_mask(None, n))
+        cache.k[:, b], cache.v[:, b] = one.k[:, 0], one.v[:, 0]
+    cache.lengths = list(lengths)
+    cache.keep_panels(model.fused.att_panel)
+    return cache
+
+
+def alone(cache: KVCache, b: int) -> KVCache:
+    """A batch-1 copy of sequence b's cache (K/V, panels, length)."""
+    one = KVCache(cache.k.shape[0], 1, cache.k.shape[2], cache.max_len, cache.k.shape[4], cache.k.dtype, "cpu")
+    for part in PARTS:
+        setattr(one, part, getattr(cache, part)[:, b:b + 1].clone())
+    one.lengths = [cache.lengths[b]]
+    return one
+
+
+def check_segmented(model: Llama, lengths: list[int], plan: list[tuple[int, Tensor]], masked: bool = True) -> None:
+    """plan: (b, new-token mask (n, n)) per segment, in row order. One run_segments call over them
+    against each segment run alone (batch-1 __call__, the same mask) from the same cache state."""
+    fused = model.fused
+    cache = prefilled(model, lengths)
+    before = {part: getattr(cache, part).clone() for part in PARTS}
+    lone = [alone(cache, b) for b, _ in plan]
+    segments, positions = [], []
+    for b, tree in plan:
+        segments.append([b, lengths[b], sum(s[3] for s in segments), len(tree)])
+        positions.append(lengths[b] + tree.sum(1) - 1)  # depth in the tree (a chain: 0, 1, ...)
+    R, S = sum(s[3] for s in segments), max(s[1] + s[3] for s in segments)
+    mask = torch.zeros(R, S, dtype=torch.bool)
+    for (_, start, r0, n), (_, tree) in zip(segments, plan):
+        mask[r0:r0 + n, :start] = True
+        mask[r0:r0 + n, start:start + n] = tree
+    x = torch.randn(R, model.args.dim, generator=torch.Generator().manual_seed(3))
+    pos = torch.cat(positions)
+    h = fused.run_segments(model, x, pos, cache, np.array(segments, dtype=np.int64),
+                           mask.numpy() if masked else None)
+    assert h.shape == (R, model.args.dim)
+    assert cache.lengths == lengths  # the caller advances them
+    for (b, start, r0, n), one in zip(segments, lone):
+        m = mask[r0:r0 + n, :start + n][None, None] if masked else None
+        ref = fused(model, x[r0:r0 + n][None], pos[r0:r0 + n][None], one, m)
+        assert torch.equal(h[r0:r0 + n], ref[0]), b
+        for part in PARTS:  # the whole sequence: the new slots, and nothing else changed
+            assert torch.equal(getattr(cache, part)[:, b], getattr(one, part)[:, 0]), (b, part)
+        new = slice(start, start + n)
+        assert not torch.equal(cache.k[:, b, :, new], before["k"][:, b, :, new])  # written, not left as was
+    for b in set(range(len(lengths))) - {b for b, _ in plan}:
+        for part in PARTS:
+            assert torch.equal(getattr(cache, part)[:, b], before[part][:, b]), (b, part)
+
+
+@torch.inference_mode()
+def test_chains_of_three_sequences_equal_their_lone_passes(model: Llama) -> None:
+    check_segmented(model, [5, 9, 13], [(0, chain(1)), (1, chain(3)), (2, chain(2))])
+
+
+@torch.inference_mode()
+def test_one_token_each_without_a_mask(model: Llama) -> None:
+    check_segmented(model, [5, 9, 13], [(0, chain(1)), (1, chain(1)), (2, chain(1))], masked=False)
+
+
+@torch.inference_mode()
+def test_tree_segment_equals_the_lone_tree_pass(model: Llama) -> None:
+    # node 2 does not see its sibling 1; 3 sits under 1, 4 under 2
+    tree = torch.tensor([[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 0, 1, 0, 0], [1, 1, 0, 1, 0], [1, 0, 1, 0, 1]],
+                        dtype=torch.bool)
+    check_segmented(model, [7, 4], [(0, chain(2)), (1, tree)])
+
+
+@torch.inference_mode()
+def test_segments_out_of_batch_order_leave_the_idle_sequence_alone(model: Llama) -> None:
+    check_segmented(model, [5, 9, 13], [(2, chain(3)), (0, chain(2))])  # sequence 1 gets no rows
+
+
+@torch.inference_mode()
+def test_segments_that_do_not_split_the_rows_are_refused(model: Llama) -> None:
+    cache = model.new_cache(16, batch=2)
+    x, pos = torch.zeros(3, model.args.dim), torch.zeros(3, dtype=torch.long)
+    bad = [[[0, 0, 0, 2]],  # row 2 belongs to no segment
+           [[0, 0, 0, 2], [1, 0, 1, 2]],  # rows overlap
+           [[2, 0, 0, 3]],  # no sequence 2
+           [[0, 15, 0, 3]]]  # past the cache's end
+    for segments in bad:
+        with pytest.raises(ValueError, match="segments"):
+            model.fused.run_segments(model, x, pos, cache, np.array(segments, dtype=np.int64), None)
+    with pytest.raises(ValueError, match="mask"):
+        model.fused.run_segments(model, x, pos, cache, np.array([[0, 4, 0, 3]], dtype=np.int64),
+                                 np.ones((3, 6), dtype=np.bool_))
