@@ -14,6 +14,7 @@ from specdec.engine.engine import StaticEngine
 from specdec.engine.kv_cache import KVCache
 from specdec.errors import SpecdecError
 from specdec.models import cpu_kernels
+from specdec.models.cpu_layer import FUSED_ROWS
 from specdec.models.loader import LoadedModel
 from specdec.trees import tree_depth, tree_mask
 
@@ -220,15 +221,15 @@ def test_panels_follow_writes_and_compaction(panel: int) -> None:
 @pytest.mark.skipif(not cpu_kernels.available(), reason="needs numba")
 def test_fused_kernels_keep_the_panels(load_tiny: Callable[..., LoadedModel]) -> None:
     """The CPU kernels' attention writes new keys and values into the panels it reads as well as into k
-    and v, through a chain, a tree and its compaction; passes over more than MAX_ROWS tokens (torch's
+    and v, through a chain, a tree and its compaction; passes over more than FUSED_ROWS tokens (torch's
     path) keep them through `write`."""
-    engine = StaticEngine(load_tiny("llama", matmul="numba").model, 128)
-    engine.prefill(random_ids(30, VOCAB, seed=4))  # the torch path, before there are panels
+    engine = StaticEngine(load_tiny("llama", matmul="numba").model, 256)
+    engine.forward(torch.tensor(random_ids(FUSED_ROWS + 2, VOCAB, seed=4)))  # the torch path, before there are panels
     engine.forward(torch.tensor(random_ids(3, VOCAB, seed=5)))  # the fused kernels: panels made and filled
     tree = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 0, 1, 1]], dtype=torch.bool)
     base = engine.length
     engine.forward(torch.tensor(random_ids(4, VOCAB, seed=6)), depth=torch.tensor([0, 1, 1, 2]), mask=tree)
     engine.compact(base, [base, base + 2, base + 3])
     _assert_panels_hold(engine.cache)
-    engine.forward(torch.tensor(random_ids(cpu_kernels.MAX_ROWS + 5, VOCAB, seed=7)))  # torch's path again
+    engine.forward(torch.tensor(random_ids(FUSED_ROWS + 5, VOCAB, seed=7)))  # torch's path again
     _assert_panels_hold(engine.cache)

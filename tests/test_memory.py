@@ -153,15 +153,18 @@ def test_tied_embedding_reads_the_heads_panels(folder: Path) -> None:
 
 @needs_numba
 def test_numba_prefill_and_decode_match_the_dense_model(folder: Path) -> None:
-    """A prefill past MAX_ROWS tokens (BLAS over unpacked panels) and decode steps (the kernels) give
-    what the torch model gives."""
+    """A prefill in fused chunks, a pass past FUSED_ROWS tokens (BLAS over unpacked panels) and decode
+    steps (the kernels) give what the torch model gives."""
+    from specdec.models.cpu_layer import FUSED_ROWS
+
     ref, fused = load(folder, "torch").model, load(folder, "numba").model
-    ids = random_ids(cpu_kernels.MAX_ROWS + 9, SHAPE["vocab_size"], seed=2)
+    ids = random_ids(FUSED_ROWS + 79, SHAPE["vocab_size"], seed=2)
     outs = []
     for model in (ref, fused):
-        engine = StaticEngine(model, 128)
-        first = engine.prefill(ids[:-3]).logits
-        outs.append((first, engine.forward(torch.tensor(ids[-3:])).logits))
+        engine = StaticEngine(model, 256)
+        first = engine.prefill(ids[:70]).logits
+        long = engine.forward(torch.tensor(ids[70:-3])).logits
+        outs.append((first, long, engine.forward(torch.tensor(ids[-3:])).logits))
     for a, b in zip(*outs):
         torch.testing.assert_close(b, a, atol=1e-4, rtol=1e-4)
 

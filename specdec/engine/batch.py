@@ -15,7 +15,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from specdec.engine.engine import ForwardOut
+from specdec.engine.engine import ForwardOut, fused_chunk
 from specdec.engine.kv_cache import KVCache
 from specdec.errors import SpecdecError
 from specdec.models.cpu_kernels import MAX_ROWS
@@ -53,7 +53,7 @@ class BatchEngine:
 
     def __init__(self, model: torch.nn.Module, batch: int, max_len: int, prefill_chunk: int = 512) -> None:
         self.model = model
-        self.batch, self.max_len, self.prefill_chunk = batch, max_len, prefill_chunk
+        self.batch, self.max_len, self.prefill_chunk = batch, max_len, fused_chunk(model, prefill_chunk)
         self.device = model.device
         self.cache: KVCache = model.new_cache(max_len, batch)
         self.fused = getattr(model, "fused", None)
@@ -100,7 +100,7 @@ class BatchEngine:
                 raise SpecdecError(f"KV cache overflow: {self.cache.lengths[b] + len(f.tokens)} positions needed "
                                    f"but a slot holds {self.max_len}; shorten the prompt or lower "
                                    "generation.max_new_tokens")
-        if self.fused is not None and (len(feeds) > 1 or len(next(iter(feeds.values())).tokens) <= MAX_ROWS):
+        if self.fused is not None and (len(feeds) > 1 or self.fused.takes(next(iter(feeds.values())).tokens[None])):
             return self._step_fused(feeds)
         if len(feeds) == 1:  # alone (a prompt chunk): the batch-1 path, BLAS for long chunks
             return self._step_alone(*feeds.items())

@@ -43,6 +43,15 @@ class Engine(Protocol):
     def compact(self, start: int, keep: list[int]) -> None: ...
 
 
+def fused_chunk(model: Any, prefill_chunk: int) -> int:
+    """Prompt tokens per prefill pass: on the CPU kernels at most what one fused pass takes."""
+    if getattr(model, "fused", None) is None:
+        return prefill_chunk
+    from specdec.models.cpu_layer import FUSED_ROWS
+
+    return min(prefill_chunk, FUSED_ROWS)
+
+
 class HeldTokens:
     """The token id and final-norm hidden state in each slot of an engine's cache, on its device.
 
@@ -105,7 +114,7 @@ class StaticEngine:
                  static: bool = False, prefix_cache: bool = False) -> None:
         self.model = model
         self.max_len = max_len
-        self.prefill_chunk = prefill_chunk
+        self.prefill_chunk = fused_chunk(model, prefill_chunk)
         self.device = model.device
         self.static: StaticStep | None = None
         if compile or static:

@@ -7,10 +7,9 @@ compiled function per layer (`layer_forward`); calling it once per layer from Py
 4 ms of a 23 ms pass, so `FusedStack` now runs every layer and the final norm in one call. The math is
 `llama.Block`'s; `tests/test_model.py` checks the two agree.
 
-Up to `cpu_kernels.MAX_ROWS` new tokens (decode steps, drafts, token trees) of one sequence, or of
-several sequences of a batched cache at once (`FusedStack.run_segments`: the linears run once over every
-row, attention per sequence); prefill chunks take the torch path (`Block.forward`), whose large GEMMs BLAS
-does best.
+Up to `FUSED_ROWS` new tokens (decode steps, drafts, token trees, prompt chunks) of one sequence, or
+the rows of several sequences of a batched cache at once (`FusedStack.run_segments`: the linears run
+once over every row, attention per sequence); longer passes take the torch path (`Block.forward`).
 
 Attention reads K and V as panels the tile kernels multiply by (`KVCache.keep_panels`, kept beside the
 plain K/V that the torch path reads): before, a pass over 6 tokens (a 5-node tree) cost 1.13x a one-token
@@ -27,6 +26,12 @@ from torch import Tensor
 from specdec.engine.kv_cache import KVCache
 from specdec.models import cpu_kernels
 from specdec.models.llama import Block, Llama
+
+# The most new tokens one fused pass takes; engines prefill in chunks of this many. Prompt chunks, too,
+# run faster here than through BLAS over weights unpacked from the panels: a 150-token SmolLM2-135M
+# prefill took 0.24 s in chunks of 64 against 1.7 s through BLAS (experiments/README.md, 2026-12-02).
+FUSED_ROWS = 64
+
 
 if cpu_kernels.available():
     from numba import njit, prange
@@ -259,7 +264,7 @@ class FusedStack:
         self._rope = np.empty((0, self.head_dim // 2, 2), dtype=np.float32)
 
     def takes(self, x: Tensor) -> bool:
-        return x.shape[0] == 1 and x.shape[1] <= cpu_kernels.MAX_ROWS
+        return x.shape[0] == 1 and x.shape[1] <= FUSED_ROWS
 
     def rope(self, model: Llama, positions: np.ndarray) -> np.ndarray:
         """cos/sin (T, D/2, 2) of `positions` (T,), read from a table grown by doubling."""
