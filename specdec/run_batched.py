@@ -1,7 +1,7 @@
 """The answer loop of `specdec.run` at generation.batch_size > 1 (strategies/batched.py does the decoding).
 
-Questions go through in groups of 2B conversations; within a group each strategy answers them all
-through its batched decoder, and the strategies' order alternates between groups, so neither
+Questions go through in groups of up to 2B conversations; within a group each strategy answers them
+all through its batched decoder, and the strategies' order alternates between groups, so neither
 always runs on a warmer machine (the batch-1 loop alternates per question for the same reason).
 """
 
@@ -37,8 +37,9 @@ def answer_batched(strategies: dict[str, Strategy], target: LoadedModel, questio
             prompts = [target.chat_ids([{"role": "user", "content": q.turns[0]}]) for q in questions[:batch]]
             d.run([Job(1, lambda t, p=p: p, lambda t: 0, lambda *a: None) for p in prompts])
             d.params = kept
-    group = 2 * batch
     work = [(q, r) for r in range(repeats) for q in questions]
+    # up to two batches' worth per group, yet at least two groups where there is a batch's worth or more
+    group = max(batch, min(2 * batch, -(-len(work) // 2)))
     for g, first in enumerate(range(0, len(work), group)):
         order = names if g % 2 == 0 else names[::-1]
         for name in order:

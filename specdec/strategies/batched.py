@@ -6,20 +6,23 @@ per-slot proposers, the ones the batch-1 loop runs, or one drafter pass for ever
 `BatchEngine.step`, verifies each slot on its own (ragged acceptance) and rolls back or compacts
 each slot's cache on its own.
 
+Admission: on the CPU kernels a newcomer's prompt is fed in chunks within the others' decode passes
+(chunked prefill mixed with decode), so admitting it does not stall them.
+
 Prefix reuse (generation.prefix_cache): a slot keeps the conversation's cache between turns, so a
 later turn prefills only what its cache does not already hold. A conversation's first turn prefills
 whole, as in the batch-1 loop, so first-turn TTFTs compare fairly.
 
-Time accounting (answers.jsonl): a step's elapsed time is shared equally by the answers that were in
-it, and an admission's prefill belongs to the answer admitted, so the answers' wall times add up to
-the run's elapsed time and tokens/s over a run is its new tokens over that time. `ttft_s` runs from
-the moment the question was admitted to a slot.
+Time accounting (answers.jsonl): a pass's elapsed time (proposing, the pass, verifying) is shared
+equally by the answers in it, prompt chunks included, and a prefill run alone belongs to the answer
+admitted, so the answers' wall times add up to the run's elapsed time and tokens/s over a run is its
+new tokens over that time. `ttft_s` runs from the moment the question took a slot.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
@@ -51,8 +54,12 @@ class Job:
 class Slot:
     job: Job
     turn: int
-    state: DecodeState
+    state: DecodeState  # ids: the prompt until its prefill ends, then prompt + committed output
     result: TurnResult
+    admitted: float  # clock when the turn took the slot (TTFT counts from here)
+    fresh: bool  # the conversation's first turn in this slot
+    pending: list[int] = field(default_factory=list)  # prompt tokens not fed yet
+    hidden: list[torch.Tensor] = field(default_factory=list)  # the fed prompt chunks' hidden states
     stopped: bool = False  # a stop string ended the turn
 
 
@@ -109,22 +116,28 @@ class BatchDecoder:
         slots: list[Slot | None] = [None] * self.engine.batch
         with torch.inference_mode():
             while True:
-                for b in range(len(slots)):
-                    while slots[b] is None and (job := next(queue, None)) is not None:
-                        slots[b] = self._admit(b, job, job.first)
-                busy = [b for b, s in enumerate(slots) if s is not None]
+                for b in range(len(slots)):  # fill free slots; finished turns (even at once) hand over
+                    while True:
+                        s = slots[b]
+                        if s is None:
+                            if (job := next(queue, None)) is None:
+                                break
+                            slots[b] = self._admit(b, job, job.first)
+                        elif self._finished(s):
+                            slots[b] = self._finish(b, s)
+                        else:
+                            break
+                busy = {b: s for b, s in enumerate(slots) if s is not None}
                 if not busy:
                     return
-                self._step({b: slots[b] for b in busy})  # type: ignore[misc]
-                for b in busy:
-                    s = slots[b]
-                    assert s is not None
-                    if self._finished(s):
-                        slots[b] = self._finish(b, s)
+                self._step(busy)
 
     def _admit(self, b: int, job: Job, turn: int) -> Slot | None:
-        """Prefill turn `turn` of job into slot b (only what the slot's cache does not hold); None if
-        the job has no turns left."""
+        """Turn `turn` of job takes slot b; None if the job has no turns left (or its turn cannot run).
+
+        Only what the slot's cache does not hold is prefilled. On the CPU kernels the prompt is fed in
+        chunks that share the other slots' decode passes (chunked prefill mixed with decode); on the
+        torch path it is prefilled here, alone, where padding every slot to a prompt chunk would cost more."""
         if turn >= job.turns:
             return None
         device = self.engine.device
@@ -137,7 +150,7 @@ class BatchDecoder:
             limit = min(len(held), len(prompt) - 1)
             while reuse < limit and held[reuse] == prompt[reuse]:
                 reuse += 1
-            out = self.engine.prefill(b, prompt, reuse)
+            out = None if self.mixed else self.engine.prefill(b, prompt, reuse)
         except SpecdecError as e:
             if job.fail is None:
                 raise
@@ -145,15 +158,28 @@ class BatchDecoder:
             job.fail(turn, e)
             return None
         gen = None if self.params.sampling.greedy else new_generator(device, job.seed(turn))
-        state = DecodeState(list(prompt), len(prompt), self.params, gen)
-        state.ids.append(self._pick(out.logits[-1], state))
-        elapsed = clock(device) - start
-        slot = Slot(job, turn, state, TurnResult([], elapsed, elapsed, 0, [1]))
-        slot.stopped = stop_cut(self.tokenizer, state.ids, state.prompt_len, state.prompt_len,
-                                self.params.stop) is not None
-        if not self._finished(slot) and self.proposer is not None:
-            self.proposer.start(b, state, out, fresh)
+        slot = Slot(job, turn, DecodeState(list(prompt), len(prompt), self.params, gen),
+                    TurnResult([], 0.0, 0.0, 0, [1]), start, fresh)
+        if out is None:
+            self.engine.rollback(b, reuse)
+            slot.pending = prompt[reuse:]
+        else:
+            slot.result.wall_time_s = clock(device) - start
+            self._started(b, slot, out)
         return slot
+
+    @property
+    def mixed(self) -> bool:
+        return self.engine.fused is not None
+
+    def _started(self, b: int, s: Slot, out: ForwardOut) -> None:
+        """The prompt is in the cache: the first token, TTFT, and the proposer's start."""
+        s.state.ids.append(self._pick(out.logits[-1], s.state))
+        s.result.ttft_s = clock(self.engine.device) - s.admitted
+        s.stopped = stop_cut(self.tokenizer, s.state.ids, s.state.prompt_len, s.state.prompt_len,
+                             self.params.stop) is not None
+        if not self._finished(s) and self.proposer is not None:
+            self.proposer.start(b, s.state, out, s.fresh)
 
     def _finish(self, b: int, s: Slot) -> Slot | None:
         """Record the slot's turn; the slot then takes the conversation's next turn or is free."""
@@ -167,6 +193,8 @@ class BatchDecoder:
 
     def _finished(self, s: Slot) -> bool:
         st, p = s.state, self.params
+        if s.pending:
+            return False
         return s.stopped or st.output_len >= p.max_new_tokens or st.ids[-1] in p.eos_ids
 
     def _pick(self, logits: torch.Tensor, state: DecodeState) -> int:
@@ -177,14 +205,21 @@ class BatchDecoder:
         return sample(warp(logits, sp), state.generator)
 
     def _step(self, slots: dict[int, Slot]) -> None:
-        """Propose for every slot, one pass for all, then verify and commit each slot on its own."""
+        """Propose for every decoding slot, one pass for all (prompt chunks of admitted slots included),
+        then verify and commit each decoding slot on its own."""
         device = self.engine.device
         start = clock(device)
-        proposals: dict[int, Proposal | None] = {b: None for b in slots}
-        if self.proposer is not None:
-            proposals |= self.proposer.propose({b: s.state for b, s in slots.items()})
+        decoding = {b: s for b, s in slots.items() if not s.pending}
+        proposals: dict[int, Proposal | None] = {b: None for b in decoding}
+        if self.proposer is not None and decoding:
+            proposals |= self.proposer.propose({b: s.state for b, s in decoding.items()})
         feeds: dict[int, Feed] = {}
         for b, s in slots.items():
+            if s.pending:  # the next prompt chunk; logits only after the prompt's last token
+                chunk = s.pending[:self.engine.prefill_chunk]
+                last = len(chunk) == len(s.pending)
+                feeds[b] = Feed(torch.tensor(chunk), logits_from=len(chunk) - 1 if last else len(chunk))
+                continue
             p = proposals[b]
             root = torch.tensor([s.state.ids[-1]])
             if p is None or len(p.tokens) == 0:
@@ -198,16 +233,23 @@ class BatchDecoder:
                 mask = p.mask if p.mask is not None else tree_mask(p.parents)
                 depth = p.depth if p.depth is not None else tree_depth(p.parents)
                 feeds[b] = Feed(tokens, depth, mask)
-        bases = {b: self.engine.length(b) for b in slots}
+        bases = {b: self.engine.length(b) for b in decoding}
         outs = self.engine.step(feeds)
-        verdicts = self._verdicts(slots, proposals, outs)
-        for b, s in slots.items():
+        verdicts = self._verdicts(decoding, proposals, outs)
+        for b, s in decoding.items():
             keep = [0, *verdicts[b].nodes]
             if keep == list(range(len(keep))):
                 self.engine.rollback(b, bases[b] + len(keep))
             else:
                 self.engine.compact(b, bases[b], [bases[b] + n for n in keep])
             self._commit(b, s, proposals[b], verdicts[b], outs[b])
+        for b, s in slots.items():
+            if b not in decoding:
+                del s.pending[:len(feeds[b].tokens)]
+                s.hidden.append(outs[b].hidden)
+                if not s.pending:
+                    self._started(b, s, ForwardOut(outs[b].logits, torch.cat(s.hidden)))
+                    s.hidden = []
         share = (clock(device) - start) / len(slots)
         for s in slots.values():
             s.result.wall_time_s += share

@@ -78,12 +78,19 @@ class BatchedDraft:
         """This round's draft length for every slot: the k that maximises expected tokens per unit cost."""
         a = min(self.alpha, 0.999)
         rate = [(1 - a ** (k + 1)) / (1 - a) / self.costs.round_cost(k) for k in range(self.max_gamma + 1)]
-        k = max(range(len(rate)), key=rate.__getitem__)
+        return max(range(len(rate)), key=rate.__getitem__)
+
+    def _drafting(self, limits: dict[int, int]) -> dict[int, int]:
+        """Slots that draft this round and how many tokens each. While no length pays, one slot in turn
+        drafts a token every `probe_every` rounds, which keeps alpha current at the cost of a few rows."""
+        k = self.length()
         if k == 0:
             self._idle += 1
-            if self.probe_every and self._idle % self.probe_every == 0:
-                return 1
-        return k
+            if not self.probe_every or self._idle % self.probe_every or not limits:
+                return {}
+            b = sorted(limits)[(self._idle // self.probe_every) % len(limits)]
+            return {b: 1} if limits[b] > 0 else {}
+        return {b: min(k, n) for b, n in limits.items() if min(k, n) > 0}
 
     def start(self, b: int, state: DecodeState, out: ForwardOut, fresh: bool) -> None:
         held = [] if fresh else self.fed.get(b, [])
@@ -95,10 +102,9 @@ class BatchedDraft:
         self.fed[b] = list(prompt)
 
     def propose(self, states: dict[int, DecodeState]) -> dict[int, Proposal | None]:
-        k = self.length()
-        limits = {b: min(k, s.params.max_new_tokens - s.output_len - 1, self.engine.max_len - len(s.ids) - 1)
+        limits = {b: min(s.params.max_new_tokens - s.output_len - 1, self.engine.max_len - len(s.ids) - 1)
                   for b, s in states.items()}
-        drafting = {b: n for b, n in limits.items() if n > 0}
+        drafting = self._drafting(limits)
         if not drafting:
             return {b: None for b in states}
         # catch-up: what each slot committed since it last drafted (at least the root); logits of the last only
