@@ -27,7 +27,7 @@ from __future__ import annotations
 import hashlib
 import json
 from collections import Counter
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -44,6 +44,7 @@ from specdec.models.loader import LoadedModel, check_trained_for
 WEIGHTS_FILE = "medusa.safetensors"
 CONFIG_FILE = "medusa.json"
 PROJECTIONS = ("shared", "own")
+Roots = int | Sequence[int] | Tensor | None  # the root token of one state, or one per state of a batch
 
 
 @dataclass(frozen=True)
@@ -222,27 +223,32 @@ class MedusaHeads(nn.Module):
             layers.append((panels, torch.stack([lin.bias.detach().float() for lin in linears]).numpy()))
         self.block_panels = layers
 
-    def _cpu_features(self, hidden: Tensor, depth: int, root: int | None = None) -> np.ndarray:
-        """(dim,) -> (depth, dim): the first `depth` heads' residual stacks on the CPU kernels. Every head
-        reads the same state, so their first blocks are one product of one row."""
+    def _cpu_features(self, hidden: Tensor, depth: int, root: Roots = None) -> np.ndarray:
+        """(dim,) or (S, dim) states -> (depth, dim) or (S, depth, dim): the first `depth` heads' residual
+        stacks on the CPU kernels; `root`: one id, or one per row. Every head reads the same state, so their
+        first blocks are one product over the S rows; the kernels compute each row on its own, so a row's
+        features are bitwise those of a call with that row alone."""
         assert self.block_panels is not None
         dim = self.cfg.hidden_size
-        x = np.repeat(hidden.detach().float().numpy()[None], depth, axis=0)  # (depth, dim)
+        h = hidden.detach().float().reshape(-1, dim).numpy()  # (S, dim)
+        S = len(h)
+        x = np.repeat(h[:, None], depth, axis=1)  # (S, depth, dim)
         for layer, (panels, bias) in enumerate(self.block_panels):
             per_head = len(panels) // self.num_heads
             width = per_head * panels.shape[2]
             if layer == 0:
-                row = x[:1]  # (1, dim), or (1, 2 dim) with the root's row beside it
+                rows = h  # (S, dim), or (S, 2 dim) with each row's root beside it
                 if self.root_in is not None:
-                    row = np.concatenate([row, self._root_row(root).numpy()[None]], axis=1)
-                y = cpu_kernels.matmul(row, panels[:depth * per_head], depth * width).reshape(depth, width)
+                    e = self._root_row(root).numpy()
+                    rows = np.concatenate([rows, np.broadcast_to(e, (S, e.shape[-1]))], axis=1)
+                y = cpu_kernels.matmul(rows, panels[:depth * per_head], depth * width).reshape(S, depth, width)
             else:
-                y = np.concatenate([cpu_kernels.matmul(x[h:h + 1], panels[h * per_head:(h + 1) * per_head], width)
-                                    for h in range(depth)])
-            y = y[:, :dim] + bias[:depth]
+                y = np.stack([cpu_kernels.matmul(x[:, k], panels[k * per_head:(k + 1) * per_head], width)
+                              for k in range(depth)], axis=1)
+            y = y[..., :dim] + bias[:depth]
             with np.errstate(over="ignore"):  # exp overflow for very negative inputs: SiLU is then -0
                 x = x + y / (np.float32(1.0) + np.exp(-y))
-        return x
+        return x if hidden.ndim > 1 else x[0]
 
     @property
     def num_heads(self) -> int:
@@ -296,38 +302,56 @@ class MedusaHeads(nn.Module):
             return torch.einsum("...kd,kvd->...kv", x, self.proj)  # (..., K, V')
         return x @ self.proj.t()  # (..., K, V'): every head in one matmul
 
-    def _step_logits(self, hidden: Tensor, depth: int | None, root: int | None = None) -> Tensor:
-        """(dim,) -> (d, V') logits of the first d heads (all K by default)."""
+    def _step_logits(self, hidden: Tensor, depth: int | None, root: Roots = None) -> Tensor:
+        """(S, dim) states, `root` one id or (S,) ids -> (S, d, V') logits of the first d heads (all K by
+        default): every row's heads in one pass, so the projection is streamed once for all S rows."""
         d = self.num_heads if depth is None else depth
+        S = hidden.shape[0]
         if self.block_panels is not None:
-            x = torch.from_numpy(self._cpu_features(hidden, d, root))  # (d, dim)
-        else:  # in the heads' dtype, the root as a plain index: nothing made on the host
-            x = self.features(hidden.to(self.proj.dtype), root, d)  # (d, dim)
+            x = torch.from_numpy(self._cpu_features(hidden, d, root))  # (S, d, dim)
+        else:  # in the heads' dtype, one root as a plain index: nothing made on the host
+            x = self.features(hidden.to(self.proj.dtype), root, d)  # (S, d, dim)
         if self.proj.ndim == 3:
-            return torch.bmm(self.proj[:d], x[:, :, None])[..., 0]  # (d, V')
+            return torch.bmm(self.proj[:d], x.permute(1, 2, 0)).permute(2, 0, 1)  # (S, d, V')
+        rows = x.reshape(S * d, -1)  # (S d, dim)
         if self.proj_panels is not None:
-            return torch.from_numpy(cpu_kernels.matmul(x.numpy(), self.proj_panels, self.proj.shape[0]))
-        # W @ x^T streams W once as a GEMV-like product; x @ W^T ran about 2x slower on CPU
-        return (self.proj @ x.t()).t()  # (d, V')
+            logits = torch.from_numpy(cpu_kernels.matmul(rows.numpy(), self.proj_panels, self.proj.shape[0]))
+        else:  # W @ x^T streams W once as a GEMV-like product; x @ W^T ran about 2x slower on CPU
+            logits = (self.proj @ rows.t()).t()
+        return logits.reshape(S, d, -1)
+
+    def _compiled_rows(self, hidden: Tensor, k: int, depth: int | None, root: Roots) -> tuple[Tensor, Tensor]:
+        """The compiled step is a graph of one row: (S, dim) states run through it row by row."""
+        roots = root if isinstance(root, Sequence | Tensor) else [root] * len(hidden)
+        tops = [self._compiled_top(h, k, depth, None if r is None else int(r)) for h, r in zip(hidden, roots)]
+        return torch.stack([t[0] for t in tops]), torch.stack([t[1] for t in tops])
 
     @torch.inference_mode()
-    def topk(self, hidden: Tensor, k: int, depth: int | None = None, root: int | None = None) -> Tensor:
+    def topk(self, hidden: Tensor, k: int, depth: int | None = None, root: Roots = None) -> Tensor:
         """(dim,) hidden state of the newest accepted token -> (depth, k) candidate ids in the full vocabulary
         from the first `depth` heads (all K by default): a tree `depth` deep has no use for deeper heads.
-        `root`: the token the target chose after it, for heads that read it (`reads_root`)."""
+        `root`: the token the target chose after it, for heads that read it (`reads_root`).
+        Batched: (S, dim) states (one per sequence) and one root each -> (S, depth, k), in one heads pass."""
+        rows = hidden.reshape(-1, hidden.shape[-1])  # (S, dim)
         if self.compiled is not None:
-            return self._compiled_top(hidden, k, depth, root)[0]
-        return self.kept_ids[self._step_logits(hidden, depth, root).topk(k, dim=-1).indices]
+            ids = self._compiled_rows(rows, k, depth, root)[0]
+        else:
+            ids = self.kept_ids[self._step_logits(rows, depth, root).topk(k, dim=-1).indices]  # (S, d, k)
+        return ids if hidden.ndim > 1 else ids[0]
 
     @torch.inference_mode()
     def topk_logprobs(self, hidden: Tensor, k: int, depth: int | None = None,
-                      root: int | None = None) -> tuple[Tensor, Tensor]:
-        """As `topk`, with each guess's log-probability under its head: (depth, k) ids, (depth, k) float32."""
+                      root: Roots = None) -> tuple[Tensor, Tensor]:
+        """As `topk`, with each guess's log-probability under its head: (depth, k) ids, (depth, k) float32
+        (batched: (S, depth, k) each)."""
+        rows = hidden.reshape(-1, hidden.shape[-1])  # (S, dim)
         if self.compiled is not None:
-            return self._compiled_top(hidden, k, depth, root)
-        logits = self._step_logits(hidden, depth, root).float()
-        top = logits.topk(k, dim=-1)
-        return self.kept_ids[top.indices], top.values - torch.logsumexp(logits, dim=-1, keepdim=True)
+            ids, logp = self._compiled_rows(rows, k, depth, root)
+        else:
+            logits = self._step_logits(rows, depth, root).float()  # (S, d, V')
+            top = logits.topk(k, dim=-1)
+            ids, logp = self.kept_ids[top.indices], top.values - torch.logsumexp(logits, dim=-1, keepdim=True)
+        return (ids, logp) if hidden.ndim > 1 else (ids[0], logp[0])
 
     def save(self, out_dir: str | Path, meta: dict[str, Any] | None = None) -> Path:
         from safetensors.torch import save_file

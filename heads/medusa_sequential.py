@@ -26,7 +26,7 @@ guess: row k ranks head k's guesses after the top-1 path above it.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -34,7 +34,7 @@ import torch
 from torch import Tensor, nn
 
 from heads import cpu_heads
-from heads.medusa import MedusaConfig, MedusaHeads
+from heads.medusa import MedusaConfig, MedusaHeads, Roots
 from specdec.models import cpu_kernels
 
 _NO_ROW = np.empty(0, dtype=np.float32)  # the path row head 0 does not read
@@ -206,8 +206,14 @@ class SequentialMedusaHeads(MedusaHeads):
         x = parent.state if k == 1 and not self.cfg.chain_head0 else parent.features
         return self._node(k, x, parent.root_row, token, width, parent.state)
 
-    def _step_logits(self, hidden: Tensor, depth: int | None, root: int | None = None) -> Tensor:
-        """(dim,) -> (d, V'): each head after the top-1 path of the heads before it."""
+    def _step_logits(self, hidden: Tensor, depth: int | None, root: Roots = None) -> Tensor:
+        """(S, dim) states, one root or one each -> (S, d, V'): each head after the top-1 path of the heads
+        before it. Row by row: every row's path differs, so its heads run one node at a time anyway."""
+        roots = root if isinstance(root, Sequence | Tensor) else [root] * len(hidden)
+        return torch.stack([self._row_logits(h, depth, None if r is None else int(r)) for h, r in zip(hidden, roots)])
+
+    def _row_logits(self, hidden: Tensor, depth: int | None, root: int | None) -> Tensor:
+        """(dim,) -> (d, V')."""
         d = self.num_heads if depth is None else depth
         e_root = self._root_row(root)
         h = hidden.detach().to(self.proj.dtype)

@@ -20,6 +20,8 @@ from specdec.engine.kv_cache import KVCache
 from specdec.errors import SpecdecError
 from specdec.models.cpu_kernels import MAX_ROWS
 
+PAD_ROOM = 64  # the most rows a padded (torch-path) pass gives each slot
+
 
 @dataclass
 class Feed:
@@ -55,7 +57,8 @@ class BatchEngine:
         self.model = model
         self.batch, self.max_len, self.prefill_chunk = batch, max_len, fused_chunk(model, prefill_chunk)
         self.device = model.device
-        self.cache: KVCache = model.new_cache(max_len, batch)
+        # PAD_ROOM slots past max_len: a padded row of a slot near its end (torch path) lands there
+        self.cache: KVCache = model.new_cache(max_len + PAD_ROOM, batch)
         self.fused = getattr(model, "fused", None)
         if self.fused is not None:  # the panels the kernels' attention reads, for every slot at once
             self.cache.keep_panels(self.fused.att_panel)
@@ -104,6 +107,8 @@ class BatchEngine:
             return self._step_fused(feeds)
         if len(feeds) == 1:  # alone (a prompt chunk): the batch-1 path, BLAS for long chunks
             return self._step_alone(*feeds.items())
+        if max(len(f.tokens) for f in feeds.values()) > PAD_ROOM:  # rows past the room: one slot at a time
+            return {b: out for item in feeds.items() for b, out in self._step_alone(item).items()}
         return self._step_padded(feeds)
 
     def _positions(self, b: int, f: Feed) -> Tensor:

@@ -290,7 +290,7 @@ class SpeculativeStrategy(Strategy):
         plain = type(self).make_proposer is SpeculativeStrategy.make_proposer
         if not (plain or self.batchable):
             raise SpecdecError(f"strategy {self.name} cannot decode in batches yet; run it with "
-                               "generation.batch_size=1 (batched: greedy, prompt_lookup)")
+                               "generation.batch_size=1 (batched: greedy, prompt_lookup, draft, eagle, medusa)")
         if self.target.backend != "compact":
             raise SpecdecError("generation.batch_size > 1 needs the compact Llama-family model "
                                "(model.backend=compact)")

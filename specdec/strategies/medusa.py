@@ -18,6 +18,10 @@ The heads come built from the config (`heads._target_` pointing at a loader in `
 with the target; this module only needs their `num_heads`, `topk` and `topk_logprobs`. Heads whose
 guesses depend on the path above a node (`PathHeads`, heads/medusa_sequential.py) are instead asked
 once per tree node, with that node's token (`PathMedusaProposer`, `MedusaProposer.path_tokens`).
+
+At generation.batch_size > 1 a fixed tree without a copy branch runs through
+`specdec.strategies.batched_heads.BatchedHeads` (one heads call for every slot, the tree's size set by the
+batch's pass costs); dynamic trees, path-reading heads and the copy branch decode at batch size 1 only.
 """
 
 from __future__ import annotations
@@ -33,12 +37,14 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 from torch import Tensor
 
+from specdec.engine.batch import BatchEngine
 from specdec.engine.engine import ForwardOut, pass_cost_curve
 from specdec.errors import SpecdecError
 from specdec.models.loader import LoadedModel
 from specdec.ngram import as_tokens
 from specdec.resolvers import REPO_ROOT
 from specdec.strategies.base import DecodeState, Proposer, SpeculativeStrategy
+from specdec.strategies.batched import BatchProposer
 from specdec.strategies.copy_branch import CopyBranch
 from specdec.trees import paths_to_parents
 from specdec.verify import Proposal, Verdict, verify_typical
@@ -77,14 +83,16 @@ class DynamicTree:
 
 class Heads(Protocol):
     """(dim,) hidden state of the newest accepted token and `root`, the token the target chose after it
-    (heads that do not read it ignore it) -> (depth, k) ids, and for `topk_logprobs` their log-probabilities."""
+    (heads that do not read it ignore it) -> (depth, k) ids, and for `topk_logprobs` their log-probabilities.
+    Batched (strategies/batched_heads.py): (S, dim) states and a list of S roots -> (S, depth, k)."""
 
     num_heads: int
 
-    def topk(self, hidden: Tensor, k: int, depth: int | None = None, root: int | None = None) -> Tensor: ...
+    def topk(self, hidden: Tensor, k: int, depth: int | None = None, root: int | list[int] | None = None
+             ) -> Tensor: ...
 
     def topk_logprobs(self, hidden: Tensor, k: int, depth: int | None = None,
-                      root: int | None = None) -> tuple[Tensor, Tensor]: ...
+                      root: int | list[int] | None = None) -> tuple[Tensor, Tensor]: ...
 
 
 @runtime_checkable
@@ -284,6 +292,20 @@ class Medusa(SpeculativeStrategy):
         if isinstance(self.tree, DynamicTree):
             raise AttributeError("a dynamic tree has no fixed paths")
         return self.tree
+
+    batchable = True  # a fixed tree without a copy branch: one heads call for every slot (strategies/batched_heads.py)
+
+    def batch_proposer(self, engine: BatchEngine) -> BatchProposer:
+        from specdec.strategies.batched_heads import BatchedHeads
+
+        # a dynamic tree, path-reading (sequential) heads and the copy branch are per-slot work not batched yet
+        if isinstance(self.heads, PathHeads):
+            raise SpecdecError(f"strategy {self.name} cannot decode in batches yet; run it with "
+                               "generation.batch_size=1")
+        if isinstance(self.tree, DynamicTree) or self.copy_tokens:
+            raise SpecdecError(f"strategy {self.name} cannot decode in batches with a dynamic tree or a copy branch "
+                               "yet; run it with strategy.tree=tuned strategy.copy_tokens=0 or generation.batch_size=1")
+        return BatchedHeads.build(self.heads, self.tree, engine, self.tree_source)
 
     def make_proposer(self) -> Proposer:
         heads = self.make_heads_proposer()
