@@ -48,19 +48,23 @@ class EagleNet(Llama):
         self.lm_head = nn.Linear(args.dim, kept, bias=False)
         self.token_ids: Tensor | None = None
 
+    reads_features = True  # BatchEngine feeds it each row's feature beside the token (engine/batch.py)
+
+    def pair_input(self, tokens: Tensor, features: Tensor) -> Tensor:
+        """The layers' input (..., D) of tokens (...) and their pairs' features (..., D): fc([embed(x); h])."""
+        return self.fc(torch.cat([self.embed(tokens), features.to(self.dtype)], -1))
+
     def forward(self, tokens: Tensor, features: Tensor, positions: Tensor, cache: Any,  # type: ignore[override]
                 mask: Tensor | None = None, logits_from: int = 0) -> tuple[Tensor, Tensor]:
         cache.reserve(tokens.shape[1])
-        x = self.fc(torch.cat([self.embed(tokens), features.to(self.dtype)], -1))  # (B, T, D)
-        h = self.run_layers(x, positions, cache, mask)
+        h = self.run_layers(self.pair_input(tokens, features), positions, cache, mask)  # (B, T, D)
         cache.advance(tokens.shape[1])
         return self.lm_head(h[:, logits_from:]), h
 
     def forward_static(self, tokens: Tensor, positions: Tensor, slots: Tensor, tree: Tensor,  # type: ignore[override]
                        cache: Any, features: Tensor) -> tuple[Tensor, Tensor]:
         """Llama.forward_static with the pairs' features (1, T, D) beside the tokens (engine/static_step.py)."""
-        x = self.fc(torch.cat([self.embed(tokens), features.to(self.dtype)], -1))  # (1, T, D)
-        h = self.layers_static(x, positions, slots, tree, cache)
+        h = self.layers_static(self.pair_input(tokens, features), positions, slots, tree, cache)  # (1, T, D)
         return self.lm_head(h), h
 
 

@@ -5,6 +5,9 @@ slot go through each weight matrix together (the weights are read once for the b
 each over its own slot's cache (`FusedStack.run_segments`); on the torch path (CUDA) the slots'
 rows are padded to a common count, and the padded rows are masked so that no real token sees them.
 Slots advance, roll back and compact on their own: acceptance is ragged.
+
+The model may also read a feature vector beside each token (an EAGLE-style drafter, `reads_features`):
+then every feed carries its rows' features and the layers' input is the model's `pair_input`.
 """
 
 from __future__ import annotations
@@ -29,13 +32,15 @@ class Feed:
 
     tokens (T,) long; depth (T,) position offsets after the slot's length (None: a chain, 0..T-1);
     mask (T, T) bool, which new tokens each new token sees (None: a chain); logits_from: logits are
-    computed for rows logits_from..T-1 only (T: none, as for a prompt chunk that is not the last).
+    computed for rows logits_from..T-1 only (T: none, as for a prompt chunk that is not the last);
+    features (T, D): what a feature-reading model takes beside each token (None for any other model).
     """
 
     tokens: Tensor
     depth: Tensor | None = None
     mask: Tensor | None = None
     logits_from: int = 0
+    features: Tensor | None = None
 
 
 def slot_view(cache: KVCache, b: int) -> KVCache:
@@ -60,6 +65,8 @@ class BatchEngine:
         # PAD_ROOM slots past max_len: a padded row of a slot near its end (torch path) lands there
         self.cache: KVCache = model.new_cache(max_len + PAD_ROOM, batch)
         self.fused = getattr(model, "fused", None)
+        # width of the features read beside each token (an EAGLE-style drafter); None: tokens only
+        self.features: int | None = model.args.dim if getattr(model, "reads_features", False) else None
         if self.fused is not None:  # the panels the kernels' attention reads, for every slot at once
             self.cache.keep_panels(self.fused.att_panel)
 
@@ -75,9 +82,10 @@ class BatchEngine:
         self.cache.compact(start, keep, b)
 
     @torch.inference_mode()
-    def prefill(self, b: int, ids: list[int], start: int = 0) -> ForwardOut:
+    def prefill(self, b: int, ids: list[int], start: int = 0, features: Tensor | None = None) -> ForwardOut:
         """Feed ids[start:] to slot b after its first `start` cached tokens (0: a new prompt; more: the
-        prefix it already holds), alone, in chunks; logits for the last token only, hidden (P - start, D)."""
+        prefix it already holds), alone, in chunks; logits for the last token only, hidden (P - start, D).
+        features (P - start, D): their rows, for a feature-reading model."""
         if start >= len(ids):
             raise SpecdecError("empty prompt: every turn needs at least one token")
         if len(ids) >= self.max_len:
@@ -89,7 +97,8 @@ class BatchEngine:
         for s in range(start, len(ids), self.prefill_chunk):
             chunk = t[s:s + self.prefill_chunk]
             last = s + len(chunk) == len(ids)
-            out = self.step({b: Feed(chunk, logits_from=len(chunk) - 1 if last else len(chunk))})[b]
+            rows = None if features is None else features[s - start:s - start + len(chunk)]
+            out = self.step({b: Feed(chunk, logits_from=len(chunk) - 1 if last else len(chunk), features=rows)})[b]
             hidden.append(out.hidden)
             logits = out.logits if last else logits
         assert logits is not None
@@ -99,6 +108,8 @@ class BatchEngine:
     def step(self, feeds: dict[int, Feed]) -> dict[int, ForwardOut]:
         """One target pass over every fed slot's new tokens; each slot's length advances by its count."""
         for b, f in feeds.items():
+            if (f.features is None) != (self.features is None):
+                raise ValueError(f"slot {b}: a feed carries features exactly when the model reads them")
             if self.cache.lengths[b] + len(f.tokens) > self.max_len:
                 raise SpecdecError(f"KV cache overflow: {self.cache.lengths[b] + len(f.tokens)} positions needed "
                                    f"but a slot holds {self.max_len}; shorten the prompt or lower "
@@ -110,6 +121,12 @@ class BatchEngine:
         if max(len(f.tokens) for f in feeds.values()) > PAD_ROOM:  # rows past the room: one slot at a time
             return {b: out for item in feeds.items() for b, out in self._step_alone(item).items()}
         return self._step_padded(feeds)
+
+    def _call(self, tokens: Tensor, features: Tensor | None, positions: Tensor, cache: KVCache,
+              mask: Tensor | None, logits_from: int = 0) -> tuple[Tensor, Tensor]:
+        """The model's own pass over (B, T) tokens (and (B, T, D) features if it reads them)."""
+        lead = (tokens,) if features is None else (tokens, features.to(self.device))
+        return self.model(*lead, positions, cache, mask, logits_from=logits_from)
 
     def _positions(self, b: int, f: Feed) -> Tensor:
         n, T = self.cache.lengths[b], len(f.tokens)
@@ -150,7 +167,9 @@ class BatchEngine:
                 mask[rs, n:n + T] = np.tril(np.ones((T, T), dtype=np.bool_)) if f.mask is None else f.mask.cpu().numpy()
         tokens = torch.cat([f.tokens.to(self.device) for f in feeds.values()])  # (R,)
         positions = torch.cat([self._positions(b, f) for b, f in feeds.items()])  # (R,)
-        h = self.fused.run_segments(self.model, self.model.embed(tokens), positions, self.cache, segments, mask)
+        x = (self.model.embed(tokens) if self.features is None  # (R, D), the layers' input
+             else self.model.pair_input(tokens, torch.cat([f.features for f in feeds.values()])))  # type: ignore[misc]
+        h = self.fused.run_segments(self.model, x, positions, self.cache, segments, mask)
         for b, f in feeds.items():
             lengths[b] += len(f.tokens)
         return self._outputs(feeds, rows, h)
@@ -161,7 +180,8 @@ class BatchEngine:
         T = len(f.tokens)
         new = None if f.mask is None else f.mask.to(self.device)
         attn = view.attention_mask(new, T)
-        logits, h = self.model(f.tokens.to(self.device)[None], self._positions(b, f)[None], view, attn,
+        feats = None if f.features is None else f.features[None]
+        logits, h = self._call(f.tokens.to(self.device)[None], feats, self._positions(b, f)[None], view, attn,
                                logits_from=min(f.logits_from, T))
         self.cache.lengths[b] = view.lengths[0]
         return {b: ForwardOut(logits[0].float(), h[0])}
@@ -176,12 +196,15 @@ class BatchEngine:
         tokens = torch.zeros(B, Tm, dtype=torch.long, device=dev)
         positions = torch.tensor(lengths, device=dev)[:, None] + torch.arange(Tm, device=dev)  # (B, Tm)
         new = torch.eye(Tm, dtype=torch.bool, device=dev).repeat(B, 1, 1)  # (B, Tm, Tm)
+        feats = None if self.features is None else torch.zeros(B, Tm, self.features, device=dev)  # (B, Tm, D)
         for b, f in feeds.items():
             T = len(f.tokens)
             tokens[b, :T] = f.tokens.to(dev)
+            if feats is not None and f.features is not None:
+                feats[b, :T] = f.features.to(dev)
             positions[b, :T] = self._positions(b, f)
             new[b, :T, :T] = torch.ones(T, T, dtype=torch.bool, device=dev).tril() if f.mask is None else f.mask.to(dev)
-        logits, h = self.model(tokens, positions, self.cache, self.cache.attention_mask(new, Tm))
+        logits, h = self._call(tokens, feats, positions, self.cache, self.cache.attention_mask(new, Tm))
         self.cache.lengths = [n + (len(feeds[b].tokens) if b in feeds else 0) for b, n in enumerate(lengths)]
         return {b: ForwardOut(logits[b, f.logits_from:len(f.tokens)].float(), h[b, :len(f.tokens)])
                 for b, f in feeds.items()}
@@ -194,15 +217,20 @@ def batch_pass_times(engine: BatchEngine, sizes: list[int], context: int = 128, 
     from specdec.engine.timing import clock
 
     ctx = min(context, engine.max_len - max(sizes) - 1)
+
+    def features(n: int) -> Tensor | None:  # zero features for a model that reads them: only the time counts
+        return None if engine.features is None else torch.zeros(n, engine.features)
+
     for b in range(engine.batch):
-        engine.prefill(b, [0] * ctx)
+        engine.prefill(b, [0] * ctx, features=features(ctx))
     order = list(dict.fromkeys(sizes))
     samples: dict[int, list[float]] = {n: [] for n in order}
     zeros = {n: torch.zeros(n, dtype=torch.long) for n in order}
+    rows = {n: features(n) for n in order}
     for rep in range(reps + 1):  # the first round warms up
         for n in order:
             start = clock(engine.device)
-            engine.step({b: Feed(zeros[n]) for b in range(engine.batch)})
+            engine.step({b: Feed(zeros[n], features=rows[n]) for b in range(engine.batch)})
             if rep:
                 samples[n].append(clock(engine.device) - start)
             for b in range(engine.batch):

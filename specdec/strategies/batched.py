@@ -76,6 +76,9 @@ class BatchProposer(Protocol):
 
     def commit(self, b: int, state: DecodeState, verdict: Verdict, out: ForwardOut) -> None: ...
 
+    # Optional: `finish(b, state, verdict, out)` after a turn's last pass (state cut at EOS, budget or
+    # stop), for a proposer that keeps what the pass made known for the slot's next turn.
+
 
 class PerSlot:
     """A BatchProposer of independent per-slot proposers (fresh for every turn), e.g. prompt lookup's."""
@@ -297,3 +300,5 @@ class BatchDecoder:
             SpeculativeStrategy._count(res, proposal, verdict)
         if self.proposer is not None and not self._finished(s):
             self.proposer.commit(b, st, verdict, out)
+        elif (finish := getattr(self.proposer, "finish", None)) is not None:
+            finish(b, st, verdict, out)  # the turn's last pass: what a later turn of the slot may reuse

@@ -9,22 +9,28 @@ output is exactly the target's either way. How many tokens to draft is a `DraftS
 
 The drafter's cache is indexed by pair: slot j holds (h_j, x_{j+1}) at position j. Slots built on real
 target features are kept; those built on guessed features are rolled back after each round.
+At generation.batch_size > 1 one drafter drafts for every slot at once (strategies/batched_eagle.py).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from torch import Tensor
 
+from specdec.engine.batch import BatchEngine
 from specdec.engine.engine import ForwardOut
 from specdec.engine.kv_cache import KVCache
 from specdec.engine.static_step import BUCKETS, StaticStep
+from specdec.errors import SpecdecError
 from specdec.strategies.base import DecodeState, Proposer, SpeculativeStrategy
 from specdec.strategies.draft import ChainRound, Confidence, DraftSchedule
 from specdec.verify import Proposal, Verdict
+
+if TYPE_CHECKING:
+    from specdec.strategies.batched import BatchProposer
 
 
 class EagleDraftNet(Protocol):
@@ -123,6 +129,23 @@ class EagleStrategy(SpeculativeStrategy):
         self.schedule = schedule if schedule is not None else Confidence(0.4, 3)
         self.schedule.calibrate(self.engine)
         self.last_proposer: EagleProposer | None = None
+
+    batchable = True  # through its own batched proposer (strategies/batched_eagle.py)
+
+    def batch_proposer(self, engine: BatchEngine) -> BatchProposer:
+        """One drafter engine of `engine.batch` slots (eager, like the target's), its draft length chosen from
+        pass costs measured at this batch size."""
+        from specdec.strategies.batched_draft import BatchCosts
+        from specdec.strategies.batched_eagle import BatchedEagle
+
+        if not getattr(self.net, "reads_features", False):
+            raise SpecdecError(f"batched EAGLE drafting needs a saved drafter (heads.eagle), not a "
+                               f"{type(self.net).__name__}; run it with generation.batch_size=1")
+        drafter = BatchEngine(self.net, engine.batch, engine.max_len, engine.prefill_chunk)  # type: ignore[arg-type]
+        longest = min(getattr(self.schedule, "max_gamma", 8), 8)
+        token_ids = None if self.net.token_ids is None else self.net.token_ids.to(self.net.device)
+        return BatchedEagle(drafter, token_ids, self.target.vocab_size, BatchCosts.measure(engine, drafter, longest),
+                            max_gamma=longest)
 
     def make_proposer(self) -> Proposer:
         self.last_proposer = EagleProposer(
