@@ -178,3 +178,16 @@ def fit_on_pairs(trainable: Any, target: LoadedModel, steps: int = 150) -> tuple
     with torch.no_grad():  # new sequences and states, the same rule
         _, metrics = trainable.loss(module, *pair_batch(8, 32, 8, seed=2))
     return module, metrics
+
+
+def save_random_eagle(target: LoadedModel, folder: Any) -> Any:
+    """A randomly initialised EAGLE drafter for `target`, saved the way a trained one is, into folder.
+    Random blocks give a near-uniform drafter; its input layer is sharpened so that it drafts confidently."""
+    from heads.eagle import EagleTrainable
+
+    trainable = EagleTrainable(kept_vocab=0, save_dtype="fp32")
+    module = trainable.build(target, None)
+    with torch.no_grad():
+        module.net.fc.weight.mul_(8)
+    trainable.save(module, folder, {"steps": 0})
+    return folder

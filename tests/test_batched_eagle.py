@@ -11,8 +11,9 @@ from typing import Any
 
 import pytest
 import torch
+from helpers import save_random_eagle
 
-from heads.eagle import EagleTrainable, load_eagle
+from heads.eagle import load_eagle
 from specdec.engine.engine import StaticEngine
 from specdec.errors import SpecdecError
 from specdec.models import cpu_kernels
@@ -29,11 +30,7 @@ K = 3  # the forced draft length: drafting (and rejection) surely happens
 
 def eagle(target: LoadedModel, folder: Path) -> EagleStrategy:
     """A random drafter for `target`, saved and loaded as a trained one is (sharpened: it drafts confidently)."""
-    trainable = EagleTrainable(kept_vocab=0, save_dtype="fp32")
-    module = trainable.build(target, None)
-    with torch.no_grad():
-        module.net.fc.weight.mul_(8)
-    trainable.save(module, folder, {"steps": 0})
+    save_random_eagle(target, folder)
     return EagleStrategy(target, "eagle", load_eagle(str(folder)), FixedLength(K), 512, 64)
 
 

@@ -8,7 +8,13 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import assert_draws_follow, assert_kv_matches_fresh, speculative_rounds, tiny_train_overrides
+from helpers import (
+    assert_draws_follow,
+    assert_kv_matches_fresh,
+    save_random_eagle,
+    speculative_rounds,
+    tiny_train_overrides,
+)
 from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
@@ -39,13 +45,7 @@ def greedy_ids(target: LoadedModel, prompt: list[int], n: int) -> list[int]:
 @pytest.fixture(scope="module")
 def untrained(tiny_target: LoadedModel, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A randomly initialised drafter, saved and loaded the way a trained one is."""
-    trainable = EagleTrainable(kept_vocab=0, save_dtype="fp32")
-    module = trainable.build(tiny_target, None)
-    with torch.no_grad():  # random blocks give a near-uniform drafter; sharpen it so it drafts confidently
-        module.net.fc.weight.mul_(8)
-    out = tmp_path_factory.mktemp("eagle")
-    trainable.save(module, out, {"steps": 0})
-    return out
+    return save_random_eagle(tiny_target, tmp_path_factory.mktemp("eagle"))
 
 
 class OracleNet:

@@ -8,10 +8,10 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import assert_draws_follow, assert_kv_matches_fresh, speculative_rounds
+from helpers import assert_draws_follow, assert_kv_matches_fresh, save_random_eagle, speculative_rounds
 from test_eagle import OracleNet
 
-from heads.eagle import EagleTrainable, load_eagle
+from heads.eagle import load_eagle
 from specdec.engine.sampling import SamplingParams, warp
 from specdec.errors import SpecdecError
 from specdec.models.loader import LoadedModel
@@ -32,13 +32,7 @@ def prompt_ids(target: LoadedModel, text: str) -> list[int]:
 @pytest.fixture(scope="module")
 def drafter(tiny_target: LoadedModel, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A random drafter, sharpened so that it drafts with some confidence, saved as a trained one is."""
-    trainable = EagleTrainable(kept_vocab=0, save_dtype="fp32")
-    module = trainable.build(tiny_target, None)
-    with torch.no_grad():
-        module.net.fc.weight.mul_(8)
-    out = tmp_path_factory.mktemp("eagle2")
-    trainable.save(module, out, {"steps": 0})
-    return out
+    return save_random_eagle(tiny_target, tmp_path_factory.mktemp("eagle2"))
 
 
 @pytest.mark.parametrize("kw", [{"depth": 3, "topk": 3, "nodes": 6}, {"depth": 4, "topk": 2, "nodes": 10},

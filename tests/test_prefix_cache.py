@@ -14,12 +14,12 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import assert_kv_matches_fresh, random_ids
+from helpers import assert_kv_matches_fresh, random_ids, save_random_eagle
 from hypothesis import given
 from hypothesis import strategies as st
 from run_helpers import make_cfg, read_answers, write_questions
 
-from heads.eagle import EagleTrainable, load_eagle
+from heads.eagle import load_eagle
 from heads.medusa import medusa_heads
 from specdec.engine.engine import HFEngine, StaticEngine, pass_times
 from specdec.metrics import summarize
@@ -101,13 +101,7 @@ class SiblingTree(SpeculativeStrategy):
 @pytest.fixture(scope="module")
 def eagle_drafter(tiny_target: LoadedModel, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A random EAGLE drafter, sharpened to draft with some confidence, saved as a trained one is."""
-    trainable = EagleTrainable(kept_vocab=0, save_dtype="fp32")
-    module = trainable.build(tiny_target, None)
-    with torch.no_grad():
-        module.net.fc.weight.mul_(8)
-    out = tmp_path_factory.mktemp("eagle-prefix")
-    trainable.save(module, out, {"steps": 0})
-    return out
+    return save_random_eagle(tiny_target, tmp_path_factory.mktemp("eagle-prefix"))
 
 
 @pytest.fixture(scope="module")

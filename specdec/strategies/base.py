@@ -216,6 +216,15 @@ class Proposer(Protocol):
         ...
 
 
+def pick_token(logits: torch.Tensor, state: DecodeState) -> int:
+    """The target's token after logits (V,): at temperature 0 one read that also checks finiteness."""
+    sp = state.params.sampling
+    if sp.greedy:
+        return read_greedy(logits[None])[0][0]
+    check_finite(logits)
+    return sample(warp(logits, sp), state.generator)
+
+
 @contextlib.contextmanager
 def torch_threads(n: int | None) -> Iterator[None]:
     if n is None:
@@ -306,12 +315,7 @@ class SpeculativeStrategy(Strategy):
         return PerSlot(self.make_proposer)
 
     def _pick(self, logits: torch.Tensor, state: DecodeState) -> int:
-        """The target's token after logits (V,): at temperature 0 one read that also checks finiteness."""
-        sp = state.params.sampling
-        if sp.greedy:
-            return read_greedy(logits[None])[0][0]
-        check_finite(logits)
-        return sample(warp(logits, sp), state.generator)
+        return pick_token(logits, state)
 
     def _generate(self, prompt_ids: list[int], params: GenerationParams, seed: int) -> TurnResult:
         gen = None if params.sampling.greedy else new_generator(self.engine.device, seed)

@@ -29,10 +29,10 @@ import torch
 
 from specdec.engine.batch import BatchEngine, Feed
 from specdec.engine.engine import ForwardOut
-from specdec.engine.sampling import check_finite, new_generator, read_greedy, sample, warp
+from specdec.engine.sampling import check_finite, new_generator, read_greedy
 from specdec.engine.timing import clock
 from specdec.errors import SpecdecError
-from specdec.strategies.base import DecodeState, GenerationParams, Proposer, TurnResult, stop_cut
+from specdec.strategies.base import DecodeState, GenerationParams, Proposer, TurnResult, pick_token, stop_cut
 from specdec.trees import tree_depth, tree_mask
 from specdec.verify import Proposal, Verdict
 
@@ -177,7 +177,7 @@ class BatchDecoder:
 
     def _started(self, b: int, s: Slot, out: ForwardOut) -> None:
         """The prompt is in the cache: the first token, TTFT, and the proposer's start."""
-        s.state.ids.append(self._pick(out.logits[-1], s.state))
+        s.state.ids.append(pick_token(out.logits[-1], s.state))
         s.result.ttft_s = clock(self.engine.device) - s.admitted
         s.stopped = stop_cut(self.tokenizer, s.state.ids, s.state.prompt_len, s.state.prompt_len,
                              self.params.stop) is not None
@@ -199,13 +199,6 @@ class BatchDecoder:
         if s.pending:
             return False
         return s.stopped or st.output_len >= p.max_new_tokens or st.ids[-1] in p.eos_ids
-
-    def _pick(self, logits: torch.Tensor, state: DecodeState) -> int:
-        sp = state.params.sampling
-        if sp.greedy:
-            return read_greedy(logits[None])[0][0]
-        check_finite(logits)
-        return sample(warp(logits, sp), state.generator)
 
     def _step(self, slots: dict[int, Slot]) -> None:
         """Propose for every decoding slot, one pass for all (prompt chunks of admitted slots included),
@@ -270,7 +263,7 @@ class BatchDecoder:
             if b in verdicts:
                 continue
             if p is None:
-                verdicts[b] = Verdict([], [self._pick(outs[b].logits[-1], s.state)])
+                verdicts[b] = Verdict([], [pick_token(outs[b].logits[-1], s.state)])
             else:
                 if not self.params.sampling.greedy:
                     check_finite(outs[b].logits)

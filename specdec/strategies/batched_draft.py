@@ -102,16 +102,13 @@ class BatchedDraft:
         self.fed[b] = list(prompt)
 
     def propose(self, states: dict[int, DecodeState]) -> dict[int, Proposal | None]:
+        """Chains for the slots that draft this round: one catch-up pass, then one pass per drafted token."""
         limits = {b: min(s.params.max_new_tokens - s.output_len - 1, self.engine.max_len - len(s.ids) - 1)
                   for b, s in states.items()}
         drafting = self._drafting(limits)
         if not drafting:
             return {b: None for b in states}
-        # catch-up: what each slot committed since it last drafted (at least the root); logits of the last only
-        news = {b: states[b].ids[len(self.fed[b]):] for b in drafting}
-        feeds = {b: Feed(torch.tensor(new), logits_from=len(new) - 1) for b, new in news.items()}
-        for b in drafting:
-            self.fed[b] = list(states[b].ids)
+        feeds = self._catch_up(drafting, states)
         tokens: dict[int, list[int]] = {b: [] for b in drafting}
         probs: dict[int, list[Tensor]] = {b: [] for b in drafting}
         live = dict(drafting)
@@ -123,13 +120,25 @@ class BatchedDraft:
             live = {b: n for b, n in live.items() if len(tokens[b]) < n}
             if not live:
                 break
-            feeds = {b: Feed(torch.tensor([tokens[b][-1]])) for b in live}
-            for b in live:
-                self.fed[b].append(tokens[b][-1])
+            feeds = {b: self._follow(b, tokens[b][-1], outs[b]) for b in live}
         self.drafted = {b: len(t) for b, t in tokens.items()}
         return {b: Proposal(torch.tensor(tokens[b]), list(range(len(tokens[b]))),
                             torch.stack(probs[b]) if probs[b] else None) if b in drafting else None
                 for b in states}
+
+    def _catch_up(self, drafting: dict[int, int], states: dict[int, DecodeState]) -> dict[int, Feed]:
+        """What each drafting slot committed since it last drafted (at least the root); logits of the last."""
+        feeds = {}
+        for b in drafting:
+            new = states[b].ids[len(self.fed[b]):]
+            feeds[b] = Feed(torch.tensor(new), logits_from=len(new) - 1)
+            self.fed[b] = list(states[b].ids)
+        return feeds
+
+    def _follow(self, b: int, token: int, out: ForwardOut) -> Feed:
+        """The feed after drafting `token` (out: the pass that drafted it)."""
+        self.fed[b].append(token)
+        return Feed(torch.tensor([token]))
 
     def _pick(self, rows: dict[int, Tensor], states: dict[int, DecodeState],
               probs: dict[int, list[Tensor]]) -> dict[int, int]:

@@ -25,7 +25,7 @@ from specdec.engine.batch import Feed
 from specdec.engine.engine import ForwardOut
 from specdec.strategies.base import DecodeState
 from specdec.strategies.batched_draft import BatchedDraft
-from specdec.verify import Proposal, Verdict
+from specdec.verify import Verdict
 
 
 @dataclass
@@ -66,35 +66,19 @@ class BatchedEagle(BatchedDraft):
             self.engine.prefill(b, state.ids[1:P], keep, features=pending[:P - 1 - keep])
         self.fed[b], self.pending[b], self.seen[b] = P - 1, pending[P - 1 - keep:], state.ids
 
-    def propose(self, states: dict[int, DecodeState]) -> dict[int, Proposal | None]:
-        limits = {b: min(s.params.max_new_tokens - s.output_len - 1, self.engine.max_len - len(s.ids) - 1)
-                  for b, s in states.items()}
-        drafting = self._drafting(limits)
-        if not drafting:
-            return {b: None for b in states}
+    def _catch_up(self, drafting: dict[int, int], states: dict[int, DecodeState]) -> dict[int, Feed]:
+        """Every pending pair of each drafting slot (at least the one before the root); logits of the last."""
         feeds: dict[int, Feed] = {}
-        for b in drafting:  # catch-up: every pending pair (at least the one before the root); logits of the last
+        for b in drafting:
             ids, n, pending = states[b].ids, self.fed[b], self.pending[b]
             assert len(pending) == len(ids) - 1 - n >= 1, "drafter out of step"
             feeds[b] = Feed(torch.tensor(ids[n + 1:]), logits_from=len(pending) - 1, features=pending)
             self.fed[b], self.pending[b] = len(ids) - 1, pending[:0]
-        tokens: dict[int, list[int]] = {b: [] for b in drafting}
-        probs: dict[int, list[Tensor]] = {b: [] for b in drafting}
-        live = dict(drafting)
-        while True:
-            outs = self.engine.step(feeds)
-            picks = self._pick({b: outs[b].logits[-1] for b in live}, states, probs)
-            for b, tok in picks.items():
-                tokens[b].append(tok)
-            live = {b: n for b, n in live.items() if len(tokens[b]) < n}
-            if not live:
-                break
-            # a guessed pair: the drafter's guess of the next feature beside the token it drafted
-            feeds = {b: Feed(torch.tensor([tokens[b][-1]]), features=outs[b].hidden[-1:]) for b in live}
-        self.drafted = {b: len(t) for b, t in tokens.items()}
-        return {b: Proposal(torch.tensor(tokens[b]), list(range(len(tokens[b]))),
-                            torch.stack(probs[b]) if probs[b] else None) if b in drafting else None
-                for b in states}
+        return feeds
+
+    def _follow(self, b: int, token: int, out: ForwardOut) -> Feed:
+        # a guessed pair: the drafter's guess of the next feature beside the token it drafted
+        return Feed(torch.tensor([token]), features=out.hidden[-1:])
 
     def commit(self, b: int, state: DecodeState, verdict: Verdict, out: ForwardOut) -> None:
         if k := self.drafted.pop(b, 0):
