@@ -197,3 +197,30 @@ def test_the_runner_decodes_in_batches_resumes_and_records_the_batch(tmp_path: P
     assert all(s["matches_baseline"] == 1.0 for s in three["strategies"].values())
     run(make_cfg(tmp_path / "b3", *over, "generation.batch_size=3"))
     assert len(read_answers(tmp_path / "b3")) == 20
+
+
+@pytest.mark.parametrize("matmul", PATHS)
+def test_a_long_prompt_is_prefilled_in_chunks_between_the_others_steps(load_tiny: Callable[..., LoadedModel],
+                                                                     matmul: str) -> None:
+    target = load_tiny("llama", matmul=matmul)
+    strategy = Greedy(target, "greedy", max_len=256, prefill_chunk=8)
+    short, long = prompts(1, seed=3)[0][:5], prompts(1, seed=4)[0] * 8
+    assert len(long) >= 40
+    params = GenerationParams(max_new_tokens=12)
+    decoder = strategy.batch_decoder(2, params)
+    calls: list[tuple[set[int], set[int]]] = []  # per pass: slots decoding, slots fed a prompt chunk
+    step = decoder.engine.step
+
+    def recording(feeds: dict[int, Feed]) -> dict:
+        calls.append(({b for b, f in feeds.items() if f.logits_from == 0},
+                      {b for b, f in feeds.items() if f.logits_from}))
+        return step(feeds)
+
+    decoder.engine.step = recording  # type: ignore[method-assign]
+    outs: dict[int, list[int]] = {}
+    decoder.run([Job(1, lambda t, p=p: p, lambda t: 0, lambda t, ids, res, i=i: outs.__setitem__(i, res.output_ids))
+                 for i, p in enumerate([short, long])])
+    chunks = [i for i, (_, fed) in enumerate(calls) if 1 in fed]
+    assert len(chunks) == -(-len(long) // 8)  # the long prompt in chunks of 8
+    assert any(0 in dec for dec, _ in calls[chunks[0]:chunks[-1] + 1])  # slot 0 decodes meanwhile
+    assert outs == {0: strategy.generate(short, params, 0).output_ids, 1: strategy.generate(long, params, 0).output_ids}

@@ -6,17 +6,18 @@ per-slot proposers, the ones the batch-1 loop runs, or one drafter pass for ever
 `BatchEngine.step`, verifies each slot on its own (ragged acceptance) and rolls back or compacts
 each slot's cache on its own.
 
-Admission: on the CPU kernels a newcomer's prompt is fed in chunks within the others' decode passes
-(chunked prefill mixed with decode), so admitting it does not stall them.
+Admission: a newcomer's prompt is fed a chunk per step, within the others' decode pass on the CPU
+kernels (chunked prefill mixed with decode) or beside it on the torch path, so admitting it never
+stalls them for a whole prompt.
 
 Prefix reuse (generation.prefix_cache): a slot keeps the conversation's cache between turns, so a
 later turn prefills only what its cache does not already hold. A conversation's first turn prefills
 whole, as in the batch-1 loop, so first-turn TTFTs compare fairly.
 
-Time accounting (answers.jsonl): a pass's elapsed time (proposing, the pass, verifying) is shared
-equally by the answers in it, prompt chunks included, and a prefill run alone belongs to the answer
-admitted, so the answers' wall times add up to the run's elapsed time and tokens/s over a run is its
-new tokens over that time. `ttft_s` runs from the moment the question took a slot.
+Time accounting (answers.jsonl): a step's elapsed time (proposing, its passes, verifying) is shared
+equally by the answers in it, prompt chunks included, so the answers' wall times add up to the run's
+elapsed time and tokens/s over a run is its new tokens over that time. `ttft_s` runs from the moment
+the question took a slot.
 """
 
 from __future__ import annotations
@@ -138,9 +139,8 @@ class BatchDecoder:
     def _admit(self, b: int, job: Job, turn: int) -> Slot | None:
         """Turn `turn` of job takes slot b; None if the job has no turns left (or its turn cannot run).
 
-        Only what the slot's cache does not hold is prefilled. On the CPU kernels the prompt is fed in
-        chunks that share the other slots' decode passes (chunked prefill mixed with decode); on the
-        torch path it is prefilled here, alone, where padding every slot to a prompt chunk would cost more."""
+        Only what the slot's cache does not hold is prefilled, a chunk per step (`_step`), so admitting
+        a turn never stalls the other slots for a whole prompt."""
         if turn >= job.turns:
             return None
         device = self.engine.device
@@ -153,7 +153,9 @@ class BatchDecoder:
             limit = min(len(held), len(prompt) - 1)
             while reuse < limit and held[reuse] == prompt[reuse]:
                 reuse += 1
-            out = None if self.mixed else self.engine.prefill(b, prompt, reuse)
+            if len(prompt) >= self.engine.max_len:
+                raise SpecdecError(f"prompt of {len(prompt)} tokens does not fit the cache of {self.engine.max_len}; "
+                                   "shorten the prompt or raise generation.max_len")
         except SpecdecError as e:
             if job.fail is None:
                 raise
@@ -163,16 +165,14 @@ class BatchDecoder:
         gen = None if self.params.sampling.greedy else new_generator(device, job.seed(turn))
         slot = Slot(job, turn, DecodeState(list(prompt), len(prompt), self.params, gen),
                     TurnResult([], 0.0, 0.0, 0, [1]), start, fresh)
-        if out is None:
-            self.engine.rollback(b, reuse)
-            slot.pending = prompt[reuse:]
-        else:
-            slot.result.wall_time_s = clock(device) - start
-            self._started(b, slot, out)
+        self.engine.rollback(b, reuse)
+        slot.pending = prompt[reuse:]
         return slot
 
     @property
     def mixed(self) -> bool:
+        """Whether prompt chunks share the decode pass (the CPU kernels' ragged rows) or, on the torch
+        path, where padding every slot to a chunk would cost more, get a pass of their own in the step."""
         return self.engine.fused is not None
 
     def _started(self, b: int, s: Slot, out: ForwardOut) -> None:
@@ -230,7 +230,12 @@ class BatchDecoder:
                 depth = p.depth if p.depth is not None else tree_depth(p.parents)
                 feeds[b] = Feed(tokens, depth, mask)
         bases = {b: self.engine.length(b) for b in decoding}
-        outs = self.engine.step(feeds)
+        if self.mixed:
+            outs = self.engine.step(feeds)
+        else:
+            outs = self.engine.step({b: feeds[b] for b in decoding}) if decoding else {}
+            for b in slots.keys() - decoding.keys():
+                outs |= self.engine.step({b: feeds[b]})
         verdicts = self._verdicts(decoding, proposals, outs)
         for b, s in decoding.items():
             keep = [0, *verdicts[b].nodes]
