@@ -203,7 +203,7 @@ def turn_row(name: str, q: Question, turn: int, repeat: int, prompt: list[int], 
         "proposed_nodes": getattr(res, "proposed_nodes", None),
         "proposed_by_pos": res.proposed_by_pos, "accepted_by_pos": res.accepted_by_pos,
         "draft_time_s": res.draft_time_s, "repeat": repeat,
-    }
+    } | ({"ttft_wall_s": res.ttft_wall_s} if getattr(res, "ttft_wall_s", None) is not None else {})
 
 
 def _warm_up(strategies: dict[str, Strategy], target: LoadedModel, questions: list[Question],

@@ -224,3 +224,14 @@ def test_a_long_prompt_is_prefilled_in_chunks_between_the_others_steps(load_tiny
     assert len(chunks) == -(-len(long) // 8)  # the long prompt in chunks of 8
     assert any(0 in dec for dec, _ in calls[chunks[0]:chunks[-1] + 1])  # slot 0 decodes meanwhile
     assert outs == {0: strategy.generate(short, params, 0).output_ids, 1: strategy.generate(long, params, 0).output_ids}
+
+
+def test_batched_times_add_up(tiny_target: LoadedModel) -> None:
+    """Shares of each step: ttft_s <= wall_time_s for every answer, the wall-clock latency beside it."""
+    strategy = Greedy(tiny_target, "greedy", max_len=256, prefill_chunk=8)
+    results: list[TurnResult] = []
+    jobs = [Job(1, lambda t, p=p: p, lambda t: 0, lambda t, ids, res: results.append(res)) for p in prompts(6)]
+    strategy.batch_decoder(3, GenerationParams(max_new_tokens=10)).run(jobs)
+    assert len(results) == 6
+    for r in results:
+        assert 0 < r.ttft_s <= r.wall_time_s and r.ttft_wall_s is not None and r.ttft_wall_s >= r.ttft_s

@@ -111,6 +111,9 @@ class TurnResult:
     proposed_by_pos: list[int] = field(default_factory=list)  # per draft position
     accepted_by_pos: list[int] = field(default_factory=list)
     draft_time_s: float = 0.0  # time spent proposing, for the measured cost ratio
+    # batched decoding: the wall-clock time from the question taking a slot to its first token (ttft_s
+    # is then the answer's share of the passes until then, in the currency of wall_time_s)
+    ttft_wall_s: float | None = None
 
 
 @dataclass

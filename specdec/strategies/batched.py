@@ -16,8 +16,10 @@ whole, as in the batch-1 loop, so first-turn TTFTs compare fairly.
 
 Time accounting (answers.jsonl): a step's elapsed time (proposing, its passes, verifying) is shared
 equally by the answers in it, prompt chunks included, so the answers' wall times add up to the run's
-elapsed time and tokens/s over a run is its new tokens over that time. `ttft_s` runs from the moment
-the question took a slot.
+elapsed time and tokens/s over a run is its new tokens over that time. `ttft_s` is, in the same
+currency, the answer's share of the steps from the moment it took a slot to its first token (so
+ttft_s <= wall_time_s and TPOT stay as CONTRACT.md defines them); `ttft_wall_s` is the wall-clock
+time of those steps, the latency a user waits.
 """
 
 from __future__ import annotations
@@ -178,7 +180,7 @@ class BatchDecoder:
     def _started(self, b: int, s: Slot, out: ForwardOut) -> None:
         """The prompt is in the cache: the first token, TTFT, and the proposer's start."""
         s.state.ids.append(pick_token(out.logits[-1], s.state))
-        s.result.ttft_s = clock(self.engine.device) - s.admitted
+        s.result.ttft_wall_s = clock(self.engine.device) - s.admitted
         s.stopped = stop_cut(self.tokenizer, s.state.ids, s.state.prompt_len, s.state.prompt_len,
                              self.params.stop) is not None
         if not self._finished(s) and self.proposer is not None:
@@ -252,8 +254,10 @@ class BatchDecoder:
                     self._started(b, s, ForwardOut(outs[b].logits, torch.cat(s.hidden)))
                     s.hidden = []
         share = (clock(device) - start) / len(slots)
-        for s in slots.values():
+        for b, s in slots.items():
             s.result.wall_time_s += share
+            if b not in decoding:  # still prefilling at this step's start: part of its time to first token
+                s.result.ttft_s += share
 
     def _verdicts(self, slots: dict[int, Slot], proposals: dict[int, Proposal | None],
                   outs: dict[int, Any]) -> dict[int, Verdict]:
