@@ -174,6 +174,8 @@ def test_batched_draft_length_follows_the_costs_and_probes_one_slot() -> None:
     assert proposer(flat, 0.05, 0.8).length() == 4
     assert proposer(full, 0.05, 0.8).length() == 0
     assert proposer(flat, 0.05, 0.05).length() == 0  # nothing is accepted: no draft is worth its cost
+    barely = [1.0, 1.0, 1.25, 1.5, 1.75, 2.0, 2.25]  # one token at alpha 0.35: 1.35 / 1.3, about 4% better
+    assert proposer(barely, 0.05, 0.35).length() == 0  # under the 5% margin: not worth the risk
     off = proposer(full, 0.05, 0.8)
     rounds = [off._drafting({0: 5, 1: 5, 2: 5}) for _ in range(9)]
     assert [r for r in rounds if r] == [{1: 1}, {2: 1}, {0: 1}]  # every third round, one slot in turn

@@ -61,6 +61,7 @@ class BatchedDraft:
     probe_every: int = 16
     prior_alpha: float = 0.6
     momentum: float = 0.05
+    margin: float = 0.05  # the expected gain over not drafting that a round's drafting must promise
     fed: dict[int, list[int]] = field(default_factory=dict)  # what each drafter slot's cache holds
     drafted: dict[int, int] = field(default_factory=dict)  # tokens each slot drafted this round
     _hits: float = 0.0
@@ -75,10 +76,13 @@ class BatchedDraft:
         return self._hits / self._tries
 
     def length(self) -> int:
-        """This round's draft length for every slot: the k that maximises expected tokens per unit cost."""
+        """This round's draft length for every slot: the k that maximises expected tokens per unit cost,
+        if that beats not drafting by `margin` (the costs were measured on a short context at start-up,
+        and a batch that drafts where it barely pays loses more than it gains when they are optimistic)."""
         a = min(self.alpha, 0.999)
         rate = [(1 - a ** (k + 1)) / (1 - a) / self.costs.round_cost(k) for k in range(self.max_gamma + 1)]
-        return max(range(len(rate)), key=rate.__getitem__)
+        k = max(range(len(rate)), key=rate.__getitem__)
+        return k if rate[k] > (1 + self.margin) * rate[0] else 0
 
     def _drafting(self, limits: dict[int, int]) -> dict[int, int]:
         """Slots that draft this round and how many tokens each. While no length pays, one slot in turn
