@@ -97,13 +97,15 @@ class BatchedDraft:
         return {b: min(k, n) for b, n in limits.items() if min(k, n) > 0}
 
     def start(self, b: int, state: DecodeState, out: ForwardOut, fresh: bool) -> None:
+        """Keep what the slot's drafter cache shares with the prompt; the rest is fed lazily, by the first
+        round that drafts (its catch-up), so a turn in which drafting never pays costs no drafter prefill."""
         held = [] if fresh else self.fed.get(b, [])
-        prompt = state.ids[:-1]  # the first generated token is fed with the first draft
+        prompt = state.ids[:-1]
         reuse = 0
-        while reuse < min(len(held), len(prompt) - 1) and held[reuse] == prompt[reuse]:
+        while reuse < min(len(held), len(prompt)) and held[reuse] == prompt[reuse]:
             reuse += 1
-        self.engine.prefill(b, prompt, reuse)
-        self.fed[b] = list(prompt)
+        self.engine.rollback(b, min(reuse, self.engine.length(b)))
+        self.fed[b] = list(prompt[:reuse])
 
     def propose(self, states: dict[int, DecodeState]) -> dict[int, Proposal | None]:
         """Chains for the slots that draft this round: one catch-up pass, then one pass per drafted token."""
