@@ -9,8 +9,8 @@ prompts' own, so these questions read more like the training data than real ques
 Spec-Bench-style file is the fairer test of prose. One turn each, category `chat`:
 
     python experiments/chat_heldapart.py /tmp/chat_heldapart.jsonl
-    python -m specdec.run experiment=specbench_style data.path=/tmp/chat_heldapart.jsonl \\
-        "strategies=[greedy,draft,draft_sitout]"
+    python -m specdec.run experiment=draft_schedules data=jsonl data.path=/tmp/chat_heldapart.jsonl \\
+        "~data.per_category" "~data.seed" "strategies=[greedy,draft,draft_sitout]"
 """
 
 from __future__ import annotations
@@ -23,16 +23,14 @@ from omegaconf import OmegaConf
 
 from heads.instruction_prompts import instruction_prompts
 
-
 # data.instructions of every drafter shipped so far (draft and Medusa heads: 4800; earlier ones 1200, 2400)
 SHIPPED_DRAWS = (1200, 2400, 4800)
 
 
 def chat_questions(count: int = 14, seed: int = 99) -> list[dict]:
-    # Until 2026-11-30 only the 1200-prompt draw was left out, so 6 of the 14 questions were prompts the
-    # drafters trained on with 2400 (experiments/README.md says which results that affects).
-    # Until 2026-12-01 the 4800-prompt draw of the shipped draft and Medusa heads was not left out either:
-    # 6 of the 14 questions were its prompts (the medusa_tree5_ab chat run found it).
+    # Every draw a shipped drafter trained on is left out: earlier versions of this file missed some, so
+    # their questions included training prompts (experiments/README.md has the history and the results
+    # it affects).
     cfg = OmegaConf.load(Path(__file__).resolve().parent.parent / "configs" / "train.yaml").data
     trained: set[str] = set()
     for draw in (*SHIPPED_DRAWS, int(cfg.instructions)):

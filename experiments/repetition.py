@@ -3,7 +3,8 @@ earlier in it, averaged over answers, per strategy, from a run's answers.jsonl.
 
 At temperature 0 a lossless strategy repeats exactly as much as greedy. Above it, a lossy acceptance
 rule can shift the text: Medusa's typical acceptance, offered a copy of earlier text every step, took
-it often enough to double this share (experiments/README.md, "A copy branch in Medusa's tree").
+it often enough to raise this share well above plain sampling's (experiments/README.md, "A copy branch
+in Medusa's tree").
 
     python experiments/repetition.py RUN_DIR [RUN_DIR ...]
 """

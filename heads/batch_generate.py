@@ -1,20 +1,24 @@
-"""Batched greedy generation on specdec's compact model, for self-distillation data.
+"""Batched generation on specdec's compact model, for self-distillation data and Magpie prompts.
 
-Why not transformers' `generate`: its cache grows by concatenation every step, while this loop writes
-into one static cache (on 2 CPU cores `heads.train` got 147k continuation tokens in 30 min this way,
-against 58k in 20 min with `generate`; see experiments/README.md). And it returns the target's
-final-norm hidden states of every prompt and continuation token as a by-product, which the drafters'
-losses read: no second pass over the data to compute them.
+Why not transformers' `generate`: its cache grows by concatenation every step, while these loops write
+into one static cache. And they return the target's final-norm hidden states of every prompt and
+continuation token as a by-product, which the drafters' losses read: no second pass over the data.
+
+Two loops: on the CPU kernels, continuous batching over `BatchEngine` slots (each pass reads the weights
+once for every slot, a finished slot takes the next prompt at once, no padding); elsewhere (torch
+linears, CUDA), left-padded static batches of large GEMMs.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 from torch import Tensor
 
+from specdec.engine.batch import BatchEngine, Feed
 from specdec.models.cpu_linear import use_matmul
 from specdec.models.loader import LoadedModel
 
@@ -80,11 +84,14 @@ def _generate_batch(target: LoadedModel, prompts: list[list[int]], max_new_token
 
 def generate_with_hidden(target: LoadedModel, prompts: list[list[int]], max_new_tokens: int,
                          batch_size: int) -> list[Generated]:
-    """Greedy continuations and hidden states of `prompts`, in their order, batch by batch.
+    """Greedy continuations and hidden states of `prompts`, in their order.
 
-    Batches group prompts of similar length, so left padding wastes little of the prefill.
-    The compact model's linears switch to torch for the run (large GEMMs), then back.
+    On the CPU kernels: `continuous` with batch_size slots (at most 16: past that a pass is compute-bound).
+    Else batch by batch; batches group prompts of similar length, so left padding wastes little of the
+    prefill, and the compact model's linears switch to torch for the run (large GEMMs), then back.
     """
+    if getattr(target.model, "fused", None) is not None:
+        return continuous(target, prompts, max_new_tokens, min(batch_size, 16), stop=set(target.eos_ids))
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
     results: list[Generated | None] = [None] * len(prompts)
     use_matmul(target.model, "torch")
@@ -96,3 +103,57 @@ def generate_with_hidden(target: LoadedModel, prompts: list[list[int]], max_new_
     finally:
         use_matmul(target.model, target.matmul)
     return [r for r in results if r is not None]
+
+
+Pick = Callable[[int, Tensor], int]  # (prompt index, logits (V,) float32) -> the next token
+
+
+def greedy_pick(i: int, logits: Tensor) -> int:
+    return int(logits.argmax())
+
+
+@dataclass
+class _Run:
+    i: int  # the prompt's index
+    pending: int  # the token to feed next
+    out: list[int]
+    hidden: list[Tensor]
+
+
+@torch.inference_mode()
+def continuous(target: LoadedModel, prompts: list[list[int]], max_new_tokens: int, slots: int,
+               stop: set[int], pick: Pick = greedy_pick) -> list[Generated]:
+    """Continuations of `prompts` (in their order) on `slots` BatchEngine slots, one pass a step for all.
+
+    Each continuation ends with its first `stop` token (kept) or after max_new_tokens. Its last token is
+    fed too, so `hidden` has a row after every token, as `_generate_batch` gives. `pick(i, logits)` picks
+    prompt i's next token: a sampler seeded per prompt makes the result independent of slot scheduling.
+    """
+    if max_new_tokens < 1 or not prompts:
+        return []
+    engine = BatchEngine(target.model, slots, max(map(len, prompts)) + max_new_tokens + 1)
+    queue: Iterator[int] = iter(sorted(range(len(prompts)), key=lambda i: -len(prompts[i])))  # long ones first
+    runs: dict[int, _Run] = {}
+    done: list[Generated | None] = [None] * len(prompts)
+
+    def admit(b: int) -> None:
+        i = next(queue, None)
+        if i is not None:
+            first = engine.prefill(b, prompts[i])  # logits (1, V), hidden (P, D)
+            runs[b] = _Run(i, pick(i, first.logits[-1].float()), [], [first.hidden])
+
+    for b in range(slots):
+        admit(b)
+    while runs:
+        outs = engine.step({b: Feed(torch.tensor([r.pending], device=engine.device)) for b, r in runs.items()})
+        for b, o in outs.items():
+            r = runs[b]
+            r.out.append(r.pending)
+            r.hidden.append(o.hidden)
+            if r.pending in stop or len(r.out) == max_new_tokens:
+                done[r.i] = Generated(r.out, torch.cat(r.hidden).half().cpu().numpy())
+                del runs[b]
+                admit(b)
+            else:
+                r.pending = pick(r.i, o.logits[-1].float())
+    return [g for g in done if g is not None]

@@ -1,12 +1,13 @@
 """`python -m heads.contamination`: training prompts that share text with evaluation questions.
 
-A training prompt is contaminated when it shares a 13-word n-gram (lowercased, whitespace-normalized)
-with any evaluation turn shipped in the repository: the default offline suite (configs/data/default.yaml)
-and every `experiments/data/*.jsonl`. Prompts shorter than 13 words count when their whole word
-sequence equals an evaluation turn's. By default the prompts checked are those the training-data
-builder (heads/distill_data.py, with the `data` settings of configs/train.yaml) produces; `--prompts
-FILE` checks a file instead (jsonl: a string, or an object with `prompt`, `text` or `turns`, a line;
-other files: one prompt a line). Lists every contaminated prompt and exits 1 if there is one.
+A training prompt is contaminated when it shares a 13-word n-gram (lowercased, whitespace-normalized) with any
+evaluation turn shipped in the repository: the default offline suite (configs/data/default.yaml), every
+`experiments/data/*.jsonl`, and the held-apart questions that choose defaults
+(`experiments/heldapart/*.jsonl`: not evaluation data, but no more to be trained on). Prompts shorter than 13
+words count when their whole word sequence equals an evaluation turn's. By default the prompts checked are
+those the training-data builder (heads/distill_data.py, with the `data` settings of configs/train.yaml)
+produces; `--prompts FILE` checks a file instead (jsonl: a string, or an object with `prompt`, `text` or
+`turns`, a line; other files: one prompt a line). Lists every contaminated prompt and exits 1 if there is one.
 
     python -m heads.contamination
     python -m heads.contamination --prompts my_prompts.jsonl --eval held_apart.jsonl
@@ -26,6 +27,7 @@ from specdec.errors import SpecdecError
 N = 13
 REPO = Path(__file__).resolve().parents[1]
 EVAL_DIR = REPO / "experiments" / "data"
+HELDAPART_DIR = REPO / "experiments" / "heldapart"
 
 Gram = tuple[str, ...]
 
@@ -131,11 +133,12 @@ def file_turns(path: Path) -> list[EvalTurn]:
 
 def evaluation_turns(per_category: int | None = None, seed: int | None = None,
                      extra: Sequence[Path] = ()) -> list[EvalTurn]:
-    """Every evaluation turn shipped in the repository (the default suite, experiments/data/*.jsonl),
-    plus those of `extra` files."""
+    """Every evaluation turn shipped in the repository (the default suite, experiments/data/*.jsonl) and
+    every held-apart turn (experiments/heldapart/*.jsonl), plus those of `extra` files."""
     turns = default_suite_turns(per_category, seed)
-    for path in sorted(EVAL_DIR.glob("*.jsonl")) if EVAL_DIR.is_dir() else []:
-        turns += file_turns(path)
+    for folder in (EVAL_DIR, HELDAPART_DIR):
+        for path in sorted(folder.glob("*.jsonl")) if folder.is_dir() else []:
+            turns += file_turns(path)
     for path in extra:
         turns += file_turns(Path(path))
     return turns

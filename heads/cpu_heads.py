@@ -5,7 +5,8 @@ projection onto the kept vocabulary, its top guesses and their log-sum-exp. Thro
 that meant torch's topk and logsumexp over 8192 logits, libm's exp in the SiLU and conversions
 around the products. Here a block is one call (the row assembled, the product, bias and SiLU in place)
 and the projection's top-k with log-probabilities another, with `cpu_kernels.fast_exp`. In the
-issue runs the heads' time per step fell from 2.9-3.0 ms to 2.0-2.1 ms at 4 nodes (experiments/README.md).
+issue runs the heads' time per step fell (experiments/README.md, "Cheaper tree passes and head calls;
+Medusa at 6 nodes").
 The products are the same `cpu_kernels` tile kernels, so the features are bitwise what the numpy path
 gives; the log-sum-exp is summed in another order (last-bit differences in the scores).
 """

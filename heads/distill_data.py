@@ -180,7 +180,7 @@ def build_distill_dataset(target: LoadedModel, per_category: int = 70, seeds: tu
     as soon as it is done. `max_minutes` caps the generation time summed over every run with these
     settings: once spent, the chunks done so far are the dataset, so reruns see the same data; raising
     it later generates more. Generation runs with `torch_threads` threads: on a busy 2-core machine
-    two spinning OpenMP workers made each decode step ~10x slower, one thread loses little.
+    two spinning OpenMP workers made each decode step many times slower, one thread loses little.
 
     `prompts`, when given, replaces the built-in ones (per_category, seeds, max_prompts and
     instructions are then unused): strings are single user turns, message lists whole conversations

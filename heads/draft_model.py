@@ -3,8 +3,8 @@
 Layout: the target's frozen token embedding -> `layers` decoder blocks of the target's width (initialised
 from chosen target layers) -> a final norm -> the target's frozen output head restricted to the
 `kept_vocab` most frequent tokens of the distillation data. Only the blocks and the norm are trained
-and saved. The reduced head matters on CPU: the full SmolLM2 head (49152 x 576) costs about a quarter
-of a target step, 8k rows a sixth of that. Proposals are mapped back to target ids (`token_ids`), and
+and saved. The reduced head matters on CPU: the full SmolLM2 head (49152 x 576) costs a sizeable share
+of a target step, 8k rows much less. Proposals are mapped back to target ids (`token_ids`), and
 at temperature > 0 the draft distribution is zero outside the kept rows, so speculative sampling stays
 exact (a token the draft cannot propose simply has q = 0).
 

@@ -9,9 +9,15 @@ in place of the target's, so training adds noise to the target's features to mak
 to its own errors (EAGLE's remedy). The loss regresses the feature (smooth L1) and matches the
 target's distribution (KL), at every position, prompts included.
 
+Two layouts (`head.layout`, saved as eagle.json's `layout`; checkpoints without it are `specdec`):
+`specdec` normalises layer 0's input and the output (RMSNorm) and may score a reduced vocabulary;
+`eagle1` is EAGLE-1's published network (neither norm, `fc` without a bias, the target's whole head), which
+`python -m heads.export eagle` writes in EAGLE-1's layout for vLLM, SGLang and EAGLE's code
+(heads/interop/eagle_layout.py).
+
 Saved as OUT/eagle.safetensors (fc, blocks, norm, `kept_ids`) and OUT/eagle.json (base model, its hidden
-and vocabulary size, a fingerprint of its embedding, the block shape, training metadata); loading it
-for another target is a one-line error. Used by `strategy=eagle` (specdec/strategies/eagle.py).
+and vocabulary size, a fingerprint of its embedding, the block shape, the layout, training metadata);
+loading it for another target is a one-line error. Used by `strategy=eagle` (specdec/strategies/eagle.py).
 """
 
 from __future__ import annotations
@@ -27,12 +33,13 @@ from torch import Tensor, nn
 
 from heads.draft_model import SavedDrafter, fingerprint, pick_vocab, target_embedding, target_head
 from specdec.errors import SpecdecError
-from specdec.models.llama import SUPPORTED_TYPES, Llama, LlamaArgs, rope_inv_freq
+from specdec.models.llama import SUPPORTED_TYPES, Llama, LlamaArgs, PassThroughNorm, rope_inv_freq
 from specdec.models.loader import LoadedModel
 
 FORMAT = "specdec-eagle/1"
 WEIGHTS = "eagle.safetensors"
 CONFIG = "eagle.json"
+LAYOUTS = ("specdec", "eagle1")  # the first: what checkpoints without a `layout` field have
 
 
 class EagleNet(Llama):
@@ -40,13 +47,18 @@ class EagleNet(Llama):
 
     A Llama of `n_layers` blocks whose input is fc([embed(x); h]) instead of embed(x); it keeps the
     compact model's static cache, rope and CPU kernels. `token_ids` (K,) maps logit rows to target ids.
+    layout "eagle1": no norm on layer 0's input nor on the output (PassThroughNorm), as EAGLE-1 publishes it.
     """
 
-    def __init__(self, args: LlamaArgs, kept: int) -> None:
+    def __init__(self, args: LlamaArgs, kept: int, layout: str = "specdec") -> None:
         super().__init__(args)
         self.fc = nn.Linear(2 * args.dim, args.dim, bias=True)
         self.lm_head = nn.Linear(args.dim, kept, bias=False)
         self.token_ids: Tensor | None = None
+        self.layout = layout
+        if layout == "eagle1":  # the last block's output itself is the guessed feature
+            self.layers[0].attn_norm = PassThroughNorm(args.dim, args.norm_eps)  # type: ignore[index]
+            self.norm = PassThroughNorm(args.dim, args.norm_eps)  # type: ignore[assignment]
 
     reads_features = True  # BatchEngine feeds it each row's feature beside the token (engine/batch.py)
 
@@ -100,13 +112,19 @@ class EagleCheckpoint(SavedDrafter):
     def build(self, target: LoadedModel) -> EagleNet:
         kept_ids, own = self.saved_tensors(target, WEIGHTS)
         args = LlamaArgs(**self.meta["args"])
+        layout = self.meta.get("layout", LAYOUTS[0])
+        if layout not in LAYOUTS:
+            raise SpecdecError(f"{self.folder / CONFIG} has layout {layout!r}, not one of {', '.join(LAYOUTS)}; "
+                               "retrain it with this version of python -m heads.train head=eagle")
         with torch.device("meta"):
-            net = EagleNet(args, len(kept_ids))
+            net = EagleNet(args, len(kept_ids), layout)
         own["embed.weight"] = target_embedding(target).detach()
         own["lm_head.weight"] = target_head(target).detach()[kept_ids].to(target.dtype).contiguous()
         net.load_state_dict(own, strict=True, assign=True)
         net.inv_freq = rope_inv_freq(args).to(target.device)  # the meta-device buffer holds no values
         self.ready(net, kept_ids, target)
+        if layout == "eagle1":  # trained on the whole vocabulary: rows are target ids (what export_eagle needs)
+            net.token_ids = None
         return net
 
 
@@ -143,7 +161,11 @@ class EagleTrainable:
     needs_hidden = True
 
     def __init__(self, name: str = "eagle", layers: int = 1, kept_vocab: int = 8192, reg_weight: float = 1.0,
-                 kl_weight: float = 1.0, noise: float = 0.1, unroll: int = 2, save_dtype: str = "fp16") -> None:
+                 kl_weight: float = 1.0, noise: float = 0.1, unroll: int = 2, save_dtype: str = "fp16",
+                 layout: str = "specdec") -> None:
+        if layout not in LAYOUTS:
+            raise SpecdecError(f"head.layout={layout!r}; use specdec (specdec's own) or eagle1 (EAGLE-1's published "
+                               "network, exportable with python -m heads.export eagle)")
         if layers < 1:
             raise SpecdecError(f"head.layers={layers} must be at least 1")
         if save_dtype not in ("fp16", "bf16", "fp32"):
@@ -154,7 +176,8 @@ class EagleTrainable:
             raise SpecdecError(f"head.unroll={unroll} must be at least 1 (1: train on the target's features only)")
         self.name = name
         self.layers = layers
-        self.kept_vocab = kept_vocab
+        self.layout = layout
+        self.kept_vocab = 0 if layout == "eagle1" else kept_vocab  # EAGLE-1 scores with the target's whole head
         self.reg_weight = reg_weight
         self.kl_weight = kl_weight
         self.noise = noise
@@ -176,7 +199,7 @@ class EagleTrainable:
         self.to_kept[self.kept_ids] = torch.arange(len(self.kept_ids), device=embed.device)
         torch.manual_seed(0)
         with torch.device("meta"):
-            net = EagleNet(self.args, len(self.kept_ids))
+            net = EagleNet(self.args, len(self.kept_ids), self.layout)
         net.to_empty(device=embed.device)
         for m in net.modules():  # fresh blocks and fc; the target's norm scale as the output's starting scale
             if isinstance(m, nn.Linear):
@@ -186,7 +209,11 @@ class EagleTrainable:
         net.embed.weight = nn.Parameter(embed, requires_grad=False)
         head = target_head(target).detach().float()[self.kept_ids].clone()  # (K, D)
         net.lm_head.weight = nn.Parameter(head, requires_grad=False)
-        net.norm.weight.data.copy_(_final_norm_weight(target))
+        if self.layout == "eagle1":  # an exact zero bias: vLLM's EAGLE-1 drafter has none (docs/interop.md)
+            nn.init.zeros_(net.fc.bias)
+            net.fc.bias.requires_grad_(False)
+        else:
+            net.norm.weight.data.copy_(_final_norm_weight(target))
         net.inv_freq = rope_inv_freq(self.args).to(embed.device)
         return EagleTrainModule(net)
 
@@ -244,6 +271,7 @@ class EagleTrainable:
             "hidden_size": self.target.hidden_size,
             "vocab_size": self.target.vocab_size,
             "num_layers": self.layers,
+            "layout": self.layout,
             "kept_vocab": len(self.kept_ids),
             "fingerprint": fingerprint(self.target),
             "saved_dtype": str(self.save_dtype).removeprefix("torch."),

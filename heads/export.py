@@ -1,8 +1,9 @@
 """Export specdec's trained heads and drafters in published layouts other tools run.
 
     python -m heads.export medusa heads/checkpoints/MODEL-medusa --out DIR   # FasterDecoding + vLLM (DIR/vllm)
-    python -m heads.export eagle  FOLDER --out DIR                           # EAGLE-1/2 layout
+    python -m heads.export eagle  FOLDER --out DIR                           # EAGLE-1/2 layout (head.layout=eagle1)
     python -m heads.export draft  heads/checkpoints/MODEL-draft --out DIR    # a transformers LlamaForCausalLM
+    python -m heads.export eagle3 FOLDER --out DIR --model NAME              # EAGLE-3 layout (re-written)
 
 The target the checkpoint was trained for is loaded (configs/model/NAME.yaml, NAME from the checkpoint
 or --model; fp32 on the CPU) because the exports carry its output head and embedding. What each layout
@@ -81,15 +82,36 @@ def export_medusa_cli(folder: Path, out: Path, model: str | None, base: str | No
 
 def export_eagle_cli(folder: Path, out: Path, model: str | None, base: str | None, dtype: torch.dtype) -> Path:
     from heads.draft_model import target_embedding
+    from heads.eagle import load_eagle
     from heads.interop.eagle_layout import SPECDEC_EAGLE_REFUSAL, export_eagle, load_eagle_layout
 
-    if (folder / "eagle.json").is_file():  # specdec's own drafter: always has the two norms
-        raise SpecdecError(SPECDEC_EAGLE_REFUSAL.format(where=f"in {folder}"))
-    if not model:
-        raise SpecdecError("an EAGLE-layout folder does not name specdec's model config; pass --model NAME")
-    target = load_target(model)
-    net = load_eagle_layout(str(folder)).bind(target)
+    if (folder / "eagle.json").is_file():  # specdec's own drafter: exports only when trained as EAGLE-1's network
+        meta = _meta(folder, "eagle.json")
+        if meta.get("layout", "specdec") != "eagle1":  # before loading any model
+            raise SpecdecError(SPECDEC_EAGLE_REFUSAL.format(where=f"in {folder}"))
+        model = model or str(meta.get("base_model", ""))
+        target = load_target(model)
+        net = load_eagle(str(folder)).bind(target)
+    else:
+        if not model:
+            raise SpecdecError("an EAGLE-layout folder does not name specdec's model config; pass --model NAME")
+        target = load_target(model)
+        net = load_eagle_layout(str(folder)).bind(target)
     return export_eagle(net, out, target_embedding(target), base_model_id(model, target, base), dtype, str(folder))
+
+
+def export_eagle3_cli(folder: Path, out: Path, model: str | None, base: str | None, dtype: torch.dtype) -> Path:
+    """An EAGLE-3 folder loaded for its target and written back (e.g. in another dtype); specdec trains none."""
+    from heads.draft_model import target_embedding
+    from heads.interop.eagle_layout import PublishedEagle3, export_eagle3, load_eagle_layout
+
+    drafter = load_eagle_layout(str(folder))  # checked before any model loads
+    if not isinstance(drafter, PublishedEagle3):
+        raise SpecdecError(f"{folder} is not an EAGLE-3 drafter; use python -m heads.export eagle for EAGLE-1/2")
+    if not model:
+        raise SpecdecError("an EAGLE-3 folder does not name specdec's model config; pass --model NAME")
+    target = load_target(model)
+    return export_eagle3(drafter.bind(target), out, target_embedding(target), base_model_id(model, target, base), dtype)
 
 
 def export_draft_cli(folder: Path, out: Path, model: str | None, dtype: torch.dtype | None) -> Path:
@@ -101,7 +123,7 @@ def export_draft_cli(folder: Path, out: Path, model: str | None, dtype: torch.dt
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m heads.export", description=__doc__.split("\n")[0])
-    parser.add_argument("kind", choices=("medusa", "eagle", "draft"))
+    parser.add_argument("kind", choices=("medusa", "eagle", "eagle3", "draft"))
     parser.add_argument("checkpoint", type=Path, help="the checkpoint folder (heads/checkpoints/MODEL-KIND)")
     parser.add_argument("--out", type=Path, required=True, help="folder to write")
     parser.add_argument("--model", default=None, help="specdec model config of the target (default: the checkpoint's)")
@@ -122,6 +144,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if ns.kind == "medusa":
             out = export_medusa_cli(folder, ns.out, ns.model, ns.base_model, dtype or torch.float16, ns.tree,
                                     ns.with_pt)
+        elif ns.kind == "eagle3":
+            out = export_eagle3_cli(folder, ns.out, ns.model, ns.base_model, dtype or torch.float16)
         elif ns.kind == "eagle":
             out = export_eagle_cli(folder, ns.out, ns.model, ns.base_model, dtype or torch.float16)
         else:

@@ -4,7 +4,7 @@ A drafter's training loss reads its hidden states through the target's frozen he
 cross-entropy on the target's tokens and KL(target || drafter) on the target's own distribution. Written
 plainly, autograd keeps several (rows, K) tensors per step (logits, their fp32 copy, log-softmax, the
 target's probabilities): at 8 x 640 rows and K = 8192, 168 MB each. On CPU each of those is a fresh
-mmap that page-faults in on first touch, so the element-wise passes over them ran ~6x slower than on
+mmap that page-faults in on first touch, so the element-wise passes over them ran much slower than on
 reused memory and took most of a training step. Here the rows go through in chunks of a few MB, and the
 backward pass recomputes a chunk's logits instead of storing them (as fused linear-cross-entropy
 kernels do), so only (rows, D) tensors live between the passes.

@@ -3,15 +3,15 @@
 Why: the offline benchmark suite draws on Python's documentation, HumanEval and arithmetic, so a
 drafter distilled on it alone sees little of what people ask a chat model (writing, role play,
 explanations, advice, reasoning, translation, extraction), and on such questions its agreement with
-the target halved. These prompts widen what the target's continuations cover. They are built here
+the target fell. These prompts widen what the target's continuations cover. They are built here
 from the lists below and the stdlib's docstrings; the training-data builder passes the evaluation
 questions as `exclude`, so none it keeps shares a 13-word n-gram with one (heads/contamination.py).
 
 The kinds grew twice: first explanations, writing, role play, advice, comparisons, reasoning,
-translation, extraction and code; then (2026-12-01) summaries and questions over a passage,
-rewriting, science and formulas, arithmetic word problems, history and books, and small talk, because
-a draft trained on the first set still agreed with the target on only 28% of the tokens of a
-Spec-Bench-style file against 60% on its own validation data.
+translation, extraction and code; then summaries and questions over a passage, rewriting, science
+and formulas, arithmetic word problems, history and books, and small talk, because a draft trained on
+the first set still agreed with the target far less on a Spec-Bench-style file than on its own
+validation data (experiments/README.md, "Figures moved out of code and configs").
 """
 
 from __future__ import annotations

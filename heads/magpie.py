@@ -3,16 +3,19 @@
 An instruction-tuned model given only its chat template up to the start of a user turn completes a
 plausible user request. A system line names one of many domains, so the requests spread over them; with
 `--turns 2` the target answers (greedily) and is then given the user prefix again, which yields a
-follow-up. Sampling is seeded and batched on specdec's static cache, so one command regenerates the
-same file. Requests are cleaned (length, repeats, duplicates) and every one sharing a 13-word n-gram with
-an evaluation question shipped in the repository is dropped (heads/contamination.py). Nothing is read
-from any benchmark: the prompts come from the model alone.
+follow-up. Sampling is seeded per request and batched (continuous batching on the CPU kernels), so one
+command regenerates the same file. Requests are cleaned (length, repeats, duplicates) and every one sharing
+a 13-word n-gram with an evaluation or held-apart question shipped in the repository is dropped
+(heads/contamination.py). Nothing is read from any benchmark: the prompts come from the model alone.
+`--domains heldapart` draws from domains training never uses, for held-apart questions (`--questions`
+writes them as a question file).
 
 Output: jsonl (gzip with a .gz suffix), one conversation a line in OpenAI-messages form,
 {"messages": [{"role": "user", ...}, {"role": "assistant", ...}, {"role": "user", ...}], "domain": ...};
 heads.train reads it as a data source.
 
-    python -m heads.magpie --n 4000 --seed 0 --out heads/data/magpie-smollm2-135m.jsonl.gz
+    python -m heads.magpie --n 3000 --turns 1 --seed 0 --batch-size 128 \\
+        --out heads/data/magpie-smollm2-135m-1turn.jsonl.gz
 """
 
 from __future__ import annotations
@@ -27,8 +30,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch import Tensor
 
-from heads.batch_generate import left_padded
+from heads.batch_generate import continuous, left_padded
 from specdec.engine.sampling import SamplingParams, warp
 from specdec.errors import SpecdecError
 from specdec.models.cpu_linear import use_matmul
@@ -44,6 +48,13 @@ DOMAINS = (
     "education and studying", "environment and climate", "astronomy", "everyday technology help",
     "business strategy", "marketing", "relationships and etiquette",
 )
+# Domains no training prompt is drawn from: the held-apart questions (`--domains heldapart`) that pick
+# defaults come from these, so a choice made on them does not reward fitting the training topics.
+HELDAPART_DOMAINS = (
+    "gardening", "home repair and DIY", "pets and animal care", "architecture", "fashion", "video games",
+    "linguistics", "parenting", "Rust programming", "statistics", "mythology", "nutrition and fitness",
+)
+TOP = 256  # candidates a prompt token is sampled from on the CPU kernels' path (see `complete`)
 MARK = "\u2063MAGPIE\u2063"  # a string no template contains: where the user's text would go
 
 
@@ -64,8 +75,25 @@ def turn_prefix(target: LoadedModel, messages: list[dict[str, str]]) -> list[int
 @torch.inference_mode()
 def complete(target: LoadedModel, prefixes: list[list[int]], max_new_tokens: int, params: SamplingParams,
              generator: torch.Generator | None, stop: set[int]) -> list[list[int]]:
-    """Continuations of left-padded `prefixes` in one batch on a static cache: sampled under `params`
-    (greedy at temperature 0), each up to and excluding its first `stop` token."""
+    """Continuations of `prefixes` sampled under `params` (greedy at temperature 0), each up to and
+    excluding its first `stop` token: on the CPU kernels in continuous batches (each prefix samples from
+    its own generator, seeded from `generator`, so slot scheduling cannot change the result), else
+    left-padded in one batch on a static cache."""
+    if getattr(target.model, "fused", None) is not None:
+        seeds = ([0] * len(prefixes) if generator is None else
+                 torch.randint(2**62, (len(prefixes),), generator=generator).tolist())
+        gens = [torch.Generator().manual_seed(s) for s in seeds]
+
+        def pick(i: int, logits: Tensor) -> int:
+            if params.greedy:
+                return int(logits.argmax())
+            # the nucleus within the TOP most likely tokens: a full-vocabulary sort per token cost more
+            # than the pass; prompts only need to be plausible, not exact samples
+            top, ids = torch.topk(logits.cpu(), TOP)
+            return int(ids[torch.multinomial(warp(top[None], params), 1, generator=gens[i])[0, 0]])
+
+        rows = [g.continuation for g in continuous(target, prefixes, max_new_tokens, 16, stop, pick)]
+        return [row[:-1] if row and row[-1] in stop else row for row in rows]
     model, dev = target.model, target.device
     B, W = len(prefixes), max(map(len, prefixes))
     cache = model.new_cache(W + max_new_tokens, batch=B)
@@ -104,8 +132,9 @@ def clean(text: str, min_words: int = 4, max_words: int = 200) -> str | None:
 
 def generate(target: LoadedModel, n: int, seed: int = 0, turns: int = 1, batch_size: int = 32,
              max_prompt_tokens: int = 96, max_answer_tokens: int = 160, temperature: float = 1.0,
-             top_p: float = 0.95, max_minutes: float | None = None) -> list[dict[str, Any]]:
-    """Up to `n` cleaned, deduplicated, decontaminated conversations of `turns` user turns."""
+             top_p: float = 0.95, max_minutes: float | None = None,
+             domains: Sequence[str] = DOMAINS) -> list[dict[str, Any]]:
+    """Up to `n` cleaned, deduplicated, decontaminated conversations of `turns` user turns on `domains`."""
     from heads.contamination import EvalIndex, evaluation_turns
 
     if n < 1 or turns < 1 or batch_size < 1:
@@ -117,13 +146,14 @@ def generate(target: LoadedModel, n: int, seed: int = 0, turns: int = 1, batch_s
     seen: set[str] = set()
     kept: list[dict[str, Any]] = []
     start, batch_no = time.monotonic(), 0
-    use_matmul(target.model, "torch")  # batches of rows: torch's GEMMs beat the few-row kernels
+    if getattr(target.model, "fused", None) is None:
+        use_matmul(target.model, "torch")  # left-padded batches of rows: torch's GEMMs beat the few-row kernels
     try:
         while len(kept) < n:
             if max_minutes is not None and time.monotonic() - start > 60 * max_minutes:
                 break
-            domains = [DOMAINS[(batch_no * batch_size + b + seed) % len(DOMAINS)] for b in range(batch_size)]
-            convs: list[list[dict[str, str]]] = [[{"role": "system", "content": _system(d)}] for d in domains]
+            picked = [domains[(batch_no * batch_size + b + seed) % len(domains)] for b in range(batch_size)]
+            convs: list[list[dict[str, str]]] = [[{"role": "system", "content": _system(d)}] for d in picked]
             alive = list(range(batch_size))
             for turn in range(turns):
                 asks = complete(target, [turn_prefix(target, convs[b]) for b in alive], max_prompt_tokens, params,
@@ -146,13 +176,20 @@ def generate(target: LoadedModel, n: int, seed: int = 0, turns: int = 1, batch_s
                 if first in seen:
                     continue
                 seen.add(first)
-                kept.append({"messages": convs[b][1:], "domain": domains[b]})
+                kept.append({"messages": convs[b][1:], "domain": picked[b]})
             batch_no += 1
             print(f"magpie: {len(kept)}/{n} conversations after {batch_no} batches, "
                   f"{(time.monotonic() - start) / 60:.1f} min", file=sys.stderr, flush=True)
     finally:
         use_matmul(target.model, target.matmul)
     return kept[:n]
+
+
+def as_questions(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Conversations as a question file (`data=jsonl`): the user turns only, the domain as category."""
+    return [{"question_id": i, "category": r["domain"], "turns": [m["content"] for m in r["messages"]
+                                                                  if m["role"] == "user"]}
+            for i, r in enumerate(rows)]
 
 
 def write(rows: Sequence[dict[str, Any]], out: Path) -> None:
@@ -172,6 +209,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--turns", type=int, default=1)
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--max-minutes", type=float, default=None)
+    p.add_argument("--domains", choices=["train", "heldapart"], default="train",
+                   help="train: the training domains; heldapart: domains training never draws from")
+    p.add_argument("--questions", action="store_true",
+                   help="write a question file (question_id, category, turns) for data=jsonl instead")
     p.add_argument("--out", type=Path, required=True)
     a = p.parse_args(argv)
     from hydra import compose, initialize_config_dir
@@ -182,11 +223,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base=None):
             target = instantiate(compose("run", overrides=[f"model={a.model}"]).model)
-        rows = generate(target, a.n, a.seed, a.turns, a.batch_size, max_minutes=a.max_minutes)
+        rows = generate(target, a.n, a.seed, a.turns, a.batch_size, max_minutes=a.max_minutes,
+                        domains=HELDAPART_DOMAINS if a.domains == "heldapart" else DOMAINS)
     except SpecdecError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    write(rows, a.out)
+    write(as_questions(rows) if a.questions else rows, a.out)
     print(f"wrote {len(rows)} conversations to {a.out}")
     return 0
 

@@ -195,10 +195,11 @@ class MedusaHeads(nn.Module):
         `weights` copy (fp32, bf16 or int8; cpu_kernels.pack).
 
         Why: torch runs single-threaded beside those kernels (see `LoadedModel.torch_threads`). Right
-        after a target pass has pushed the heads out of cache, a step with torch's per-head block products
-        took 1.05 ms, with the kernels (every head's first block in one call) 0.72 ms
-        (experiments/medusa_step_times.py). The blocks stay float32, so the candidates are the ones torch
-        gives; an int8 copy of the blocks would save ~0.1 ms more but changes some second choices. The
+        after a target pass has pushed the heads out of cache, a step with the kernels (every head's first
+        block in one call) was cheaper than one with torch's per-head block products
+        (experiments/medusa_step_times.py; experiments/README.md, "Medusa: retrained heads, a KL term, the
+        heads on the CPU kernels"). The blocks stay float32, so the candidates are the ones torch
+        gives; an int8 copy of the blocks would save a little more but changes some second choices. The
         projection's copy may be rounded: the heads only propose, the target verifies.
         """
         for key, kind in (("weights", weights), ("block_weights", block_weights)):
@@ -316,7 +317,7 @@ class MedusaHeads(nn.Module):
         rows = x.reshape(S * d, -1)  # (S d, dim)
         if self.proj_panels is not None:
             logits = torch.from_numpy(cpu_kernels.matmul(rows.numpy(), self.proj_panels, self.proj.shape[0]))
-        else:  # W @ x^T streams W once as a GEMV-like product; x @ W^T ran about 2x slower on CPU
+        else:  # W @ x^T streams W once as a GEMV-like product; x @ W^T ran slower on CPU
             logits = (self.proj @ rows.t()).t()
         return logits.reshape(S, d, -1)
 

@@ -13,8 +13,8 @@ plus the parent's token:
 where the first block of a stack is x + SiLU(W x + extra + b) and e is a token's row of the target's
 frozen output head. So f_k has seen the whole path above it. With `chain_head0=false` (the shipped
 heads) head 1 starts from h_t instead of f_0: head 0 then learns for itself alone, as every accepted
-path starts with its guess (chained through it, the later heads' losses cost it 0.04 top-1;
-experiments/README.md). Training feeds the true tokens (teacher
+path starts with its guess (chained through it, the later heads' losses cost it top-1 accuracy;
+experiments/README.md, "Medusa: sequential heads"). Training feeds the true tokens (teacher
 forcing on the target's own continuations, which are exactly the paths verification accepts). At
 inference a node's children need one more head call with that node's token, so a tree of n nodes
 costs up to n small head calls (`tree_start` / `tree_expand`; the dynamic proposer in

@@ -53,6 +53,15 @@ SYSTEM = {"system"}
 TURNS = ("first", "all")
 
 
+def data_suffix(path: str | Path) -> str:
+    """A data file's kind by its name, a compression suffix left off: `a.jsonl.gz` -> `.jsonl`
+    (`datasets` reads gzip, bz2, xz and zstd files as they are)."""
+    suffixes = [x.lower() for x in Path(path).suffixes]
+    if suffixes and suffixes[-1] in (".gz", ".bz2", ".xz", ".zst"):
+        suffixes = suffixes[:-1]
+    return suffixes[-1] if suffixes else ""
+
+
 @dataclass
 class PromptStats:
     """How the rows of a source became prompts (every count is of prompts unless it says rows)."""
@@ -75,14 +84,14 @@ def _is_local(source: str) -> bool:
     """Whether `source` names local files (so a missing one is an error, not a hub id)."""
     path = Path(source).expanduser()
     return (path.exists() or glob.has_magic(source) or source.startswith((".", "/", "~"))
-            or path.suffix.lower() in FILE_BUILDERS)
+            or data_suffix(path) in FILE_BUILDERS)
 
 
 def _files(source: str) -> list[str]:
     """The data files a local file, glob or folder names, all of one supported kind."""
     path = Path(source).expanduser()
     if path.is_dir():
-        files = sorted(str(p) for p in path.rglob("*") if p.suffix.lower() in FILE_BUILDERS and p.is_file())
+        files = sorted(str(p) for p in path.rglob("*") if data_suffix(p) in FILE_BUILDERS and p.is_file())
     elif glob.has_magic(source):
         files = sorted(f for f in glob.glob(str(path), recursive=True) if Path(f).is_file())
     else:
@@ -90,10 +99,10 @@ def _files(source: str) -> list[str]:
     if not files:
         raise SpecdecError(f"data.source={source}: no such file, or no .json/.jsonl/.parquet files there; "
                            "give an existing data file, glob or folder")
-    kinds = {FILE_BUILDERS.get(Path(f).suffix.lower()) for f in files}
+    kinds = {FILE_BUILDERS.get(data_suffix(f)) for f in files}
     if None in kinds or len(kinds) > 1:
         raise SpecdecError(f"data.source={source}: the files must all be .json/.jsonl or all .parquet (found "
-                           f"{', '.join(sorted({Path(f).suffix or '(none)' for f in files}))}); select one kind")
+                           f"{', '.join(sorted({data_suffix(f) or '(none)' for f in files}))}); select one kind")
     return files
 
 
@@ -118,7 +127,7 @@ def load_rows(source: str, split: str = "train", subset: str | None = None) -> A
             return loaded
         if _is_local(source):
             files = _files(source)
-            builder = FILE_BUILDERS[Path(files[0]).suffix.lower()]
+            builder = FILE_BUILDERS[data_suffix(files[0])]
             return datasets.load_dataset(builder, data_files={split: files}, split=split)
         return datasets.load_dataset(source, subset, split=split)
     except SpecdecError:
@@ -165,7 +174,7 @@ def load_columns(source: str, split: str = "train", subset: str | None = None
         if saved or not _is_local(source):
             raise
         files = _files(source)
-        if FILE_BUILDERS[Path(files[0]).suffix.lower()] != "json":
+        if FILE_BUILDERS[data_suffix(files[0])] != "json":
             raise
         records = _json_rows(files)
         columns = list(dict.fromkeys(k for r in records for k in r))

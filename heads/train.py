@@ -342,8 +342,8 @@ def lr_at(step: int, progress: float, lr: float, warmup_steps: int, min_lr_ratio
 
 def _config_key(cfg: DictConfig) -> str:
     """What a checkpoint must have been made with to be resumed. Keys added since (data.source and
-    its options, train.grad_accum) count only away from their defaults, so that checkpoints made
-    before them still resume."""
+    its options, train.grad_accum, head.layout) count only away from their defaults, so that checkpoints
+    made before them still resume."""
     t = cfg.train
     data = OmegaConf.to_container(cfg.data, resolve=True)
     assert isinstance(data, dict)
@@ -352,8 +352,12 @@ def _config_key(cfg: DictConfig) -> str:
     train_keys = {k: t[k] for k in ("lr", "batch_size", "seq_len", "seed", "weight_decay", "val_fraction")}
     if int(t.get("grad_accum") or 1) != 1:
         train_keys["grad_accum"] = int(t.grad_accum)
-    spec = {"model": OmegaConf.to_container(cfg.model, resolve=True), "head": OmegaConf.to_container(cfg.head),
-            "data": data, "train": train_keys}
+    head = OmegaConf.to_container(cfg.head)
+    assert isinstance(head, dict)
+    if head.get("layout") == "specdec":  # head=eagle's layout (added since) at its default
+        head.pop("layout")
+    spec = {"model": OmegaConf.to_container(cfg.model, resolve=True), "head": head, "data": data,
+            "train": train_keys}
     return hashlib.sha256(json.dumps(spec, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 

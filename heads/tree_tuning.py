@@ -195,8 +195,8 @@ def measured_cost_curve(target: LoadedModel, sizes: Sequence[int], context: int 
                         ) -> dict[int, float]:
     """Time target passes over each number of tokens (a tree plus its root) on this machine, relative to one.
 
-    Measured rather than assumed because the curve is a property of the hardware and BLAS: on 2 CPU
-    cores a pass over 8 tokens costs about twice one over a single token; on a GPU it is nearly flat.
+    Measured rather than assumed because the curve is a property of the hardware and BLAS: on a CPU a
+    pass costs more the more tokens it feeds; on a GPU it is nearly flat.
     """
     engine = StaticEngine(target.model, context + max(sizes) + 2)
     with torch_threads(target.torch_threads):

@@ -10,7 +10,8 @@ Terms used below:
 - *entry*: a listed strategy composed by Hydra at `strategy_configs.NAME`, selected with Hydra's own
   syntax for choosing one group several times, `+strategy@strategy_configs.NAME=FILE`. Its keys are
   then ordinary config keys: `strategy_configs.NAME.KEY=VALUE`. `strategies.NAME.KEY=VALUE` is
-  shorthand for both (see `native_overrides`).
+  shorthand for both (see `native_overrides`). An experiment preset selects entries the same way in its
+  defaults list, for variants that exist only for its comparison (PRESET_STRATEGIES).
 """
 
 from __future__ import annotations
@@ -43,6 +44,11 @@ GROUPS = ("model", "strategy", "data", "generation", "logger", "experiment", "hy
 CONTRACT_STRATEGIES = ("greedy", "draft", "medusa", "prompt_lookup", "lookahead", "eagle", "hf_generate",
                        "hf_assisted")
 ENTRIES = "strategy_configs"  # the config node holding the entries (see the module docstring)
+# Variants that exist only for one comparison are entries of that experiment preset, not strategy files;
+# a run that names one elsewhere is told where it went. A test keeps this in step with the presets.
+PRESET_STRATEGIES = {"draft_heuristic": "draft_schedules", "draft_confidence": "draft_schedules",
+                     "draft_cost_aware": "draft_schedules", "draft_sitout": "draft_schedules",
+                     "greedy_full": "prefix_cache", "eagle_candidate": "heldapart"}
 SLURM_EXTRA = "pip install 'specdec[slurm]'"
 _NAME = r"[A-Za-z_][\w\-]*"
 _SHORTHAND = re.compile(rf"(?P<prefix>[+~]*)(?:strategies|{ENTRIES})\.(?P<name>{_NAME})(?P<rest>\..+)")
@@ -96,6 +102,11 @@ def _unknown(group: str, value: str, searchpath: Sequence[str] = ()) -> SpecdecE
     valid = ", ".join(options(group, searchpath))
     if group == "strategy" and value in CONTRACT_STRATEGIES:
         return SpecdecError(f"strategy {value!r} is not built yet; built strategies: {valid}")
+    if group == "strategy" and value in PRESET_STRATEGIES:
+        preset = PRESET_STRATEGIES[value]
+        return SpecdecError(f"strategy {value!r} is defined by experiment preset {preset} "
+                            f"(configs/experiment/{preset}.yaml), not in configs/strategy/; list it with that "
+                            f"preset: experiment={preset} \"strategies=[greedy,{value}]\"")
     return SpecdecError(f"unknown {group} {value!r}; choose one of: {valid} (or add {group}/{value}.yaml to a "
                         "folder on hydra.searchpath)")
 
@@ -145,6 +156,33 @@ def appended_entries(argv: Sequence[str]) -> set[str]:
     return {m.group("name") for a in argv if (m := _APPEND.fullmatch(a.partition("=")[0]))}
 
 
+def preset_entries(argv: Sequence[str]) -> set[str]:
+    """The entry names that the experiment preset selected on the command line defines (its
+    `strategy_configs`), as Hydra composes it; none without one, for a sweep over presets, or where it
+    does not compose (Hydra reports that itself)."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.initialize import get_gh_backup, restore_gh_from_backup
+
+    chosen = [a.partition("=")[2] for a in argv if a.partition("=")[0].lstrip("+") == "experiment"]
+    if not chosen or not chosen[-1] or chosen[-1] == "null" or "," in chosen[-1]:
+        return set()
+    overrides = [f"experiment={chosen[-1]}"]
+    searchpath = argv_searchpath(argv)
+    if searchpath:
+        overrides.append("hydra.searchpath=[" + ",".join(_quoted(str(p)) for p in searchpath) + "]")
+    backup = get_gh_backup()
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base=None):
+            node = compose("run", overrides=overrides).get(ENTRIES)
+    except Exception:  # a bad preset is Hydra's to report, with its own message
+        return set()
+    finally:
+        restore_gh_from_backup(backup)
+    return {str(k) for k in node} if isinstance(node, DictConfig) else set()
+
+
 def native_overrides(argv: Sequence[str]) -> list[str]:
     """argv in Hydra's own spelling: an override of a listed strategy's key becomes an override of
     its entry, and the entry is selected first where the command line does not select it already.
@@ -152,9 +190,11 @@ def native_overrides(argv: Sequence[str]) -> list[str]:
         strategies.draft_fixed.schedule.gamma=2
         -> +strategy@strategy_configs.draft_fixed=draft_fixed strategy_configs.draft_fixed.schedule.gamma=2
 
-    `strategy_configs.NAME.KEY=VALUE` gets the same selection. Everything else is passed as it is.
+    `strategy_configs.NAME.KEY=VALUE` gets the same selection. Everything else is passed as it is. An
+    entry that the selected experiment preset defines is there already and is not selected again.
     """
     selected = appended_entries(argv)
+    in_preset: set[str] | None = None  # composed only when a shorthand needs it
     out: list[str] = []
     for arg in argv:
         key, sep, value = arg.partition("=")
@@ -163,6 +203,9 @@ def native_overrides(argv: Sequence[str]) -> list[str]:
             out.append(arg)
             continue
         name = m.group("name")
+        if name not in selected and in_preset is None:
+            in_preset = preset_entries(argv)
+            selected |= in_preset
         if name not in selected:
             out.append(f"+strategy@{ENTRIES}.{name}={name}")
             selected.add(name)
@@ -194,6 +237,7 @@ def check_overrides(argv: list[str]) -> None:
     searchpath = argv_searchpath(argv)
     dirs = config_dirs(searchpath)
     entries = appended_entries(argv)
+    in_preset: set[str] | None = None  # composed only when a listed name is not a file
     for arg in argv:
         if arg.startswith("-"):
             continue
@@ -212,7 +256,11 @@ def check_overrides(argv: list[str]) -> None:
                 raise _unknown(group, value, searchpath)
         if key == "strategies" and value not in ("", "null"):
             for name in _listed_names(arg):
-                if name not in entries and not _is_option("strategy", name, dirs):
+                if name in entries or _is_option("strategy", name, dirs):
+                    continue
+                if in_preset is None:
+                    in_preset = preset_entries(argv)
+                if name not in in_preset:
                     raise _unknown("strategy", name, searchpath)
 
 

@@ -254,9 +254,10 @@ def _p50(s: dict[str, Any], key: str) -> float | None:
     return (s.get(key) or {}).get("p50")
 
 
-OVERALL_HEADER = ("strategy", "tokens/s", "speedup", "speedup 95% CI", "Spec-Bench speedup", "tau", "alpha",
-                  "alpha per node", "lossless", "matches baseline", "TTFT p50 (ms)", "TPOT p50 (ms)",
-                  "predicted speedup", "turns")
+# alpha for trees, named as in summary.json: alpha_longest_path (= acceptance_rate) and alpha_per_node
+OVERALL_HEADER = ("strategy", "tokens/s", "speedup", "speedup 95% CI", "Spec-Bench speedup", "tau",
+                  "alpha longest path", "alpha per node", "lossless", "matches baseline", "TTFT p50 (ms)",
+                  "TPOT p50 (ms)", "predicted speedup", "turns")
 
 
 def overall_table(summary: Summary) -> str:
@@ -413,9 +414,10 @@ def _run_section(run: Run, heading: str, out_dir: Path, suffix: str) -> list[str
     if reps:
         lines += [f"± is the half-width of a 95% t-interval over {max(reps)} repeats; speedup's interval is over "
                   "per-repeat ratios to the baseline timed in the same repeat.", ""]
-    lines += ["tau: tokens committed per target forward pass (prefill counted); alpha: accepted / proposed draft "
-              "tokens, for trees over the longest path of each step; alpha per node: accepted / every verified "
-              "draft node; predicted speedup: tau relative to the baseline's over the relative cost of a decode step.",
+    lines += ["tau: tokens committed per target forward pass (prefill counted); alpha longest path: accepted / "
+              "proposed draft tokens, for trees over the longest path of each step (the alpha of other tables); "
+              "alpha per node: accepted / every verified draft node (the same for chains); predicted speedup: tau "
+              "relative to the baseline's over the relative cost of a decode step.",
               ""]
     if s.get("specbench"):
         lines += ["Spec-Bench speedup: Spec-Bench's mean over questions of tokens/s, the baseline's tokens "

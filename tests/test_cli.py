@@ -255,10 +255,12 @@ def test_every_config_composes(group: str, name: str, tiny_jsonl: Path, tiny_tar
     elif group == "logger":
         logger = instantiate(cfg.logger)
         assert isinstance(logger, NullLogger)  # WandbLogger subclasses it; nothing runs until start()
-    else:  # experiments are presets: every strategy they name must exist
+    else:  # experiments are presets: every strategy they name must exist, as a file or an entry of theirs
         names = list(cfg.strategies or []) or [cfg.strategy.name]
-        assert all(n in options("strategy") for n in names)
+        assert all(n in options("strategy") or n in cfg.strategy_configs for n in names)
         assert cfg.baseline is None or cfg.baseline in names
+        for entry in cfg.strategy_configs:  # the preset's own variants resolve under their names
+            assert strategy_config(cfg, entry).name == entry
 
 
 # --- listed strategies through Hydra's own composition ------------------------------------------------

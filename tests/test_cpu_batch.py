@@ -1,11 +1,14 @@
 """The CPU kernels' fused pass over several sequences at once (cpu_layer.FusedStack.run_segments): each
 sequence's rows get bitwise what running that sequence alone through the batch-1 fused pass gives, and
-each sequence's cache gets exactly the K/V (and panels) the lone run writes."""
+each sequence's cache gets exactly the K/V (and panels) the lone run writes. A pass reads nothing but its
+own sequence's filled slots (poisoned unused slots and other sequences change nothing), and gives the same
+bits every time with one numba thread too."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
+import numba
 import numpy as np
 import pytest
 import torch
@@ -129,3 +132,103 @@ def test_segments_that_do_not_split_the_rows_are_refused(model: Llama) -> None:
     with pytest.raises(ValueError, match="mask"):
         model.fused.run_segments(model, x, pos, cache, np.array([[0, 4, 0, 3]], dtype=np.int64),
                                  np.ones((3, 6), dtype=np.bool_))
+
+
+@pytest.fixture
+def one_numba_thread() -> Iterator[None]:
+    """Run numba's parallel loops on the calling thread alone (as NUMBA_NUM_THREADS=1 does): their
+    allocations then come from the caller's heap, where memory an array was freed from is reused at once."""
+    before = numba.get_num_threads()
+    numba.set_num_threads(1)
+    try:
+        yield
+    finally:
+        numba.set_num_threads(before)
+
+
+@torch.inference_mode()
+@pytest.mark.usefixtures("one_numba_thread")
+def test_passes_with_one_numba_thread_repeat_bitwise_and_match_the_torch_path(model: Llama) -> None:
+    # The attention kernel once freed its queries before the loop that reads them (by address): with one
+    # thread that loop's first allocation reused the block and overwrote some queries, for some row counts
+    # and not others, differently from run to run.
+    gen = torch.Generator().manual_seed(5)
+    for T in range(1, 17):
+        x = torch.randn(1, T, model.args.dim, generator=gen)
+        pos = torch.arange(T)[None]
+        outs = []
+        for _ in range(3):
+            cache = model.new_cache(MAX_LEN)
+            outs.append(model.fused(model, x, pos, cache, cache.attention_mask(None, T)))
+        ref_cache = model.new_cache(MAX_LEN)  # taps: the layers' own forward, not the fused stack
+        ref = model.run_layers(x, pos, ref_cache, ref_cache.attention_mask(None, T), taps=(0,), seen=[])
+        for out in outs:
+            assert torch.equal(out, outs[0]), T
+            torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
+
+
+@torch.inference_mode()
+@pytest.mark.usefixtures("one_numba_thread")
+def test_segments_with_one_numba_thread_equal_their_lone_passes(model: Llama) -> None:
+    tree = torch.tensor([[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 0, 1, 0, 0], [1, 1, 0, 1, 0], [1, 0, 1, 0, 1]],
+                        dtype=torch.bool)
+    for _ in range(3):
+        check_segmented(model, [5, 9, 13], [(0, chain(4)), (1, chain(6)), (2, chain(3))])
+        check_segmented(model, [7, 4], [(0, chain(8)), (1, tree)])
+
+
+def poison(cache: KVCache, b: int, start: int, value: float) -> None:
+    """Fill sequence b's slots from `start` on, and the panels' padding, with `value`: everything a pass
+    that starts there must not read before it writes (or ever)."""
+    nb = cache.key_panels.shape[-1]
+    slots = torch.arange(start, cache.key_panels.shape[3] * nb)  # up to the end of the last key panel
+    cache.k[:, b, :, start:] = value
+    cache.v[:, b, :, start:] = value
+    cache.key_panels[:, b][..., slots // nb, :, slots % nb] = value
+    cache.value_panels[:, b, :, :, start:] = value
+    D = cache.v.shape[-1]
+    if D % nb:  # value dims past D in the last panel
+        cache.value_panels[:, b, :, -1, :, D % nb:] = value
+
+
+@torch.inference_mode()
+@pytest.mark.parametrize("value", [float("nan"), 1e30])
+def test_unused_slots_and_other_sequences_do_not_reach_a_pass(model: Llama, value: float) -> None:
+    lengths = [5, 9, 13]
+    tree = torch.tensor([[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 0, 1, 0, 0], [1, 1, 0, 1, 0], [1, 0, 1, 0, 1]],
+                        dtype=torch.bool)
+    plan = [(2, chain(3)), (0, tree)]  # sequence 1 gets no rows
+    segments, r0 = [], 0
+    for b, t in plan:
+        segments.append([b, lengths[b], r0, len(t)])
+        r0 += len(t)
+    R, S = r0, max(s[1] + s[3] for s in segments)
+    mask = torch.zeros(R, S, dtype=torch.bool)
+    positions = []
+    for (_, start, r, n), (_, t) in zip(segments, plan):
+        mask[r:r + n, :start] = True
+        mask[r:r + n, start:start + n] = t
+        positions.append(start + t.sum(1) - 1)
+    pos = torch.cat(positions)
+    x = torch.randn(R, model.args.dim, generator=torch.Generator().manual_seed(4))
+    clean = prefilled(model, lengths)
+    dirty = prefilled(model, lengths)
+    for b in range(len(lengths)):
+        poison(dirty, b, lengths[b], value)
+    dirty.k[:, 1], dirty.v[:, 1] = value, value  # the idle sequence: all of it
+    dirty.key_panels[:, 1], dirty.value_panels[:, 1] = value, value
+    segs = np.array(segments, dtype=np.int64)
+    h_clean = model.fused.run_segments(model, x, pos, clean, segs, mask.numpy())
+    h_dirty = model.fused.run_segments(model, x, pos, dirty, segs, mask.numpy())
+    assert torch.isfinite(h_clean).all()
+    assert torch.equal(h_dirty, h_clean)
+    for (b, start, r, n), _ in zip(segments, plan):  # batch-1 passes over poisoned copies, alike
+        one_dirty = alone(dirty, b)  # at length `start`: run_segments left the lengths as they were
+        poison(one_dirty, 0, start, value)  # the slots that pass wrote, too
+        for one in (alone(clean, b), one_dirty):
+            m = mask[r:r + n, :start + n][None, None]
+            out = model.fused(model, x[r:r + n][None], pos[r:r + n][None], one, m)
+            assert torch.equal(out[0], h_clean[r:r + n]), b
+        for part in ("k", "v"):  # the new slots hold exactly what the clean run wrote
+            new = slice(start, start + n)
+            assert torch.equal(getattr(dirty, part)[:, b, :, new], getattr(clean, part)[:, b, :, new])

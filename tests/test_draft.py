@@ -7,10 +7,11 @@ from typing import Any
 import pytest
 import torch
 from helpers import assert_draws_follow, assert_kv_matches_fresh, speculative_rounds
+from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
-from specdec.cli_checks import CONFIG_DIR
+from specdec.cli_checks import CONFIG_DIR, strategy_config
 from specdec.engine.sampling import SamplingParams, warp
 from specdec.errors import SpecdecError
 from specdec.metrics import strategy_metrics
@@ -235,7 +236,9 @@ def test_sibling_trees_reproduce_greedy_and_keep_caches_exact(target: LoadedMode
 
 @pytest.mark.parametrize("schedule", ["draft_heuristic", "draft_confidence", "draft_cost_aware", "draft_sitout"])
 def test_adaptive_schedules_stay_lossless(target: LoadedModel, wrong_draft: LoadedModel, schedule: str) -> None:
-    cfg = OmegaConf.load(CONFIG_DIR / "strategy" / f"{schedule}.yaml")
+    # the schedules as experiment=draft_schedules defines them (configs/strategy/schedule/ and its overrides)
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base=None):
+        cfg = strategy_config(compose("run", overrides=["experiment=draft_schedules"]), schedule)
     sched = instantiate(cfg.schedule)
     prompt = prompt_ids(target, PROMPTS[1])
     for draft in (target, wrong_draft):

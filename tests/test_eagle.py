@@ -19,7 +19,7 @@ from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
-from heads.eagle import EagleTrainable, load_eagle
+from heads.eagle import EagleTrainable, EagleTrainModule, load_eagle
 from heads.train import train
 from specdec.cli_checks import CONFIG_DIR
 from specdec.engine.kv_cache import KVCache
@@ -205,3 +205,69 @@ def test_eagle_runs_on_every_target_path(load_tiny: Any, tmp_path: Path, backend
         want = Greedy(reference, "greedy", 256, 64).generate(prompt, GenerationParams(30), 0).output_ids
         res = strategy.generate(prompt, GenerationParams(30), 0)
         assert res.output_ids == want and res.proposed > 0
+
+
+# --------------------------------------------------------------------------------------------------
+# head.layout=eagle1: EAGLE-1's published network (no norm on layer 0's input nor on the output)
+# --------------------------------------------------------------------------------------------------
+
+
+def saved_eagle(target: LoadedModel, folder: Path, layout: str, layers: int = 2) -> Path:
+    """A random drafter of `layout`, its fc sharpened and every applied norm scale perturbed, saved as trained."""
+    trainable = EagleTrainable(layers=layers, kept_vocab=0, save_dtype="fp32", layout=layout)
+    net = trainable.build(target, None).net
+    gen = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        net.fc.weight.mul_(8)
+        for name, p in net.named_parameters():
+            if p.requires_grad and p.dim() == 1 and "norm" in name:  # PassThroughNorms' weights are frozen
+                p.copy_(1 + 0.2 * torch.randn(p.shape, generator=gen))
+    trainable.save(EagleTrainModule(net), folder, {"steps": 0})
+    return folder
+
+
+@pytest.mark.parametrize("layout", ["specdec", "eagle1"])
+def test_fused_stack_computes_both_layouts(load_tiny: Any, tmp_path: Path, layout: str) -> None:
+    """numba's fused layer stack runs the drafter (no fallback to the torch path) and matches torch's blocks,
+    with layer 0's input norm and the output norm (specdec) or without them (eagle1)."""
+    pytest.importorskip("numba")
+    from specdec.models.cpu_layer import FusedStack
+
+    torch_target, numba_target = load_tiny("llama"), load_tiny("llama", matmul="numba")
+    folder = saved_eagle(torch_target, tmp_path, layout)
+    ref, net = load_eagle(str(folder)).bind(torch_target), load_eagle(str(folder)).bind(numba_target)
+    assert isinstance(net.fused, FusedStack) and ref.fused is None
+    assert net.fused.attn_normed.tolist() == [layout == "specdec", True] and net.fused.final_normed == (
+        layout == "specdec")
+    ids = torch.tensor([[5, 9, 31, 7, 2, 44]])
+    feats = torch.randn(1, 6, torch_target.hidden_size, generator=torch.Generator().manual_seed(5))
+    outs = []
+    for model in (ref, net):
+        cache = model.new_cache(64)
+        with torch.no_grad():  # a 5-pair pass (masked), then one pair (no mask)
+            first = model(ids[:, :5], feats[:, :5], torch.arange(5)[None], cache, cache.attention_mask(None, 5))
+            second = model(ids[:, 5:], feats[:, 5:], torch.tensor([[5]]), cache)
+        outs.append([t for pair in (first, second) for t in pair])
+    for want, got in zip(*outs, strict=True):
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+def test_eagle1_layout_trains_and_exports(tmp_path: Path, tiny_target: LoadedModel) -> None:
+    """head.layout=eagle1 for a couple of steps: the saved drafter loads as EAGLE-1's network and exports."""
+    from safetensors.torch import load_file
+
+    from heads.export import main as export_main
+
+    out = tmp_path / "eagle"
+    with initialize_config_dir(str(CONFIG_DIR), version_base=None):
+        cfg = compose("train", overrides=[*tiny_train_overrides("eagle", out, tmp_path / "data"),
+                                          "train.max_steps=2", "head.layout=eagle1"])
+    assert train(cfg)["steps"] == 2
+    meta = json.loads((out / "eagle.json").read_text())
+    assert meta["layout"] == "eagle1" and meta["kept_vocab"] == tiny_target.vocab_size
+    net = load_eagle(str(out)).bind(tiny_target)
+    assert net.token_ids is None and not net.fc.bias.any()  # the whole head; an exact zero fc bias
+    assert export_main(["eagle", str(out), "--out", str(tmp_path / "export")]) == 0
+    names = set(load_file(str(tmp_path / "export" / "model.safetensors")))
+    assert "fc.bias" in names and "layers.0.self_attn.q_proj.weight" in names
+    assert "layers.0.input_layernorm.weight" not in names and "embed_tokens.weight" not in names

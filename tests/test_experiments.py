@@ -11,8 +11,9 @@ import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig, OmegaConf
 
-from specdec.cli_checks import CONFIG_DIR
+from specdec.cli_checks import CONFIG_DIR, PRESET_STRATEGIES, check_overrides, native_overrides, strategy_config
 from specdec.data import load_jsonl
+from specdec.errors import SpecdecError
 from specdec.run import run
 
 PRESETS = sorted(p.stem for p in (CONFIG_DIR / "experiment").glob("*.yaml"))
@@ -36,8 +37,13 @@ def test_preset_composes_with_built_strategies(name: str) -> None:
     assert (CONFIG_DIR / "experiment" / f"{name}.yaml").read_text().startswith("# @package _global_")
     cfg = composed(f"experiment={name}", hydra=True)
     names = list(cfg.strategies)
+    entries = set(cfg.strategy_configs)  # variants the preset defines for its own comparison
     for strategy in names:
-        assert (CONFIG_DIR / "strategy" / f"{strategy}.yaml").is_file(), f"{name} names unbuilt {strategy}"
+        assert (CONFIG_DIR / "strategy" / f"{strategy}.yaml").is_file() or strategy in entries, \
+            f"{name} names unbuilt {strategy}"
+    for entry in entries:  # each entry composes and is filed under its own name
+        scfg = strategy_config(cfg, entry)
+        assert scfg.name == entry and scfg._partial_ is True and "_target_" in scfg
     assert cfg.baseline in names
     assert cfg.model.name == "smollm2-135m"  # tables are on the default model, pinned
     assert cfg.generation.temperature == (0.7 if name.endswith("_sampling") else 0.0)
@@ -60,8 +66,42 @@ def test_preset_contents() -> None:
                                                                          "hydra", "hydra_copy"]
     assert trained.data.name == "default" and Path(trained_spec.data.path) == DATA_FILE
     schedules = composed("experiment=draft_schedules")
-    assert {composed(f"strategy={s}").strategy.schedule._target_.rsplit(".", 1)[1]
-            for s in schedules.strategies if s != "greedy"} == {"FixedLength", "Heuristic", "Confidence", "CostAware"}
+    assert list(schedules.strategies) == ["greedy", "draft_fixed", "draft_heuristic", "draft_confidence",
+                                          "draft_cost_aware"]
+    ran = {s: strategy_config(schedules, s) for s in [*schedules.strategies, "draft_sitout"] if s != "greedy"}
+    assert {s.schedule._target_.rsplit(".", 1)[1] for s in ran.values()} == \
+        {"FixedLength", "Heuristic", "Confidence", "CostAware", "SitOut"}
+    # the same draft as draft_fixed, each under its own schedule
+    assert all(s.draft == ran["draft_fixed"].draft for s in ran.values())
+    assert ran["draft_cost_aware"].schedule.siblings == 0 and ran["draft_confidence"].schedule.max_gamma == 8
+    assert ran["draft_sitout"].schedule.inner._target_.endswith("Confidence")
+    reuse = composed("experiment=prefix_cache")
+    full = strategy_config(reuse, "greedy_full")
+    assert full.prefix_cache is False and {k: v for k, v in full.items() if k not in ("name", "prefix_cache")} == \
+        {k: v for k, v in strategy_config(reuse, "greedy").items() if k != "name"}
+
+
+def test_every_preset_strategy_is_where_the_moved_names_say() -> None:
+    # a name taken out of configs/strategy/ is an entry of the preset PRESET_STRATEGIES names, and the
+    # error for it elsewhere says so
+    for name, preset in PRESET_STRATEGIES.items():
+        assert not (CONFIG_DIR / "strategy" / f"{name}.yaml").is_file()
+        assert name in composed(f"experiment={preset}").strategy_configs
+        with pytest.raises(SpecdecError, match=f"experiment={preset}"):
+            check_overrides([f"strategies=[greedy,{name}]"])
+        check_overrides([f"experiment={preset}", f"strategies=[greedy,{name}]"])  # known there
+    defined = {e for p in PRESETS for e in composed(f"experiment={p}").strategy_configs}
+    assert defined == set(PRESET_STRATEGIES)
+
+
+def test_a_preset_entry_takes_overrides_of_its_own() -> None:
+    argv = ["experiment=draft_schedules", "strategies=[greedy,draft,draft_sitout]",
+            "strategies.draft_sitout.schedule.probe_every=4"]
+    native = native_overrides(argv)
+    assert native == [*argv[:2], "strategy_configs.draft_sitout.schedule.probe_every=4"]  # not selected again
+    cfg = composed(*native)
+    assert strategy_config(cfg, "draft_sitout").schedule.probe_every == 4
+    assert strategy_config(cfg, "draft_sitout").schedule.inner.threshold == 0.4
 
 
 def test_sweep_preset_sweeps_draft_tokens_of_the_composed_strategy() -> None:

@@ -2,20 +2,23 @@
 
 from __future__ import annotations
 
+import shutil
 from functools import partial
 from pathlib import Path
 
 import pytest
 import torch
 from helpers import assert_draws_follow, assert_kv_matches_fresh, chain_forward, check_counters, speculative_rounds
+from hydra import compose, initialize_config_dir
+from hydra.core.global_hydra import GlobalHydra
 from hydra.utils import instantiate
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, OmegaConf
 from test_draft import tiny
 from test_eagle import untrained  # noqa: F401  (a fixture: a random EAGLE drafter saved like a trained one)
 
 from heads.eagle import load_eagle
 from heads.medusa import medusa_heads
-from specdec.cli_checks import CONFIG_DIR
+from specdec.cli_checks import CONFIG_DIR, strategy_config
 from specdec.engine.sampling import SamplingParams, warp
 from specdec.errors import SpecdecError
 from specdec.models.loader import LoadedModel
@@ -166,12 +169,41 @@ def test_sampling_preserves_the_target_distribution(target: LoadedModel, route: 
     assert_draws_follow(counts, p, min_bins=3)
 
 
+HYBRIDS = {"draft_lookup": "draft", "eagle_lookup": "eagle", "hydra_lookup": "hydra"}  # hybrid: its inner strategy
+
+
+def resolved(name: str, configs: Path = CONFIG_DIR) -> DictConfig:
+    """strategy=NAME as a run resolves it (model=tiny-llama), from the config folder `configs`."""
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(configs), version_base=None):
+        return strategy_config(compose("run", overrides=["model=tiny-llama", f"strategy={name}"]), name)
+
+
+@pytest.mark.parametrize("name", HYBRIDS)
+def test_a_hybrids_inner_strategy_is_its_base_file(name: str) -> None:
+    # composed through the defaults list (`/strategy@inner: BASE`), not copied: every key the base file
+    # resolves to, and nothing else
+    assert resolved(name).inner == resolved(HYBRIDS[name])
+
+
+def test_a_change_to_the_base_file_reaches_the_hybrid(tmp_path: Path) -> None:
+    configs = tmp_path / "configs"
+    shutil.copytree(CONFIG_DIR, configs)
+    base = configs / "strategy" / "draft.yaml"
+    base.write_text(base.read_text().replace("weights: int8", "weights: bf16"))
+    schedule = configs / "strategy" / "schedule" / "cost_aware.yaml"
+    schedule.write_text(schedule.read_text().replace("max_gamma: 12", "max_gamma: 5"))
+    inner = resolved("draft_lookup", configs).inner
+    assert inner.draft.weights == "bf16" and inner.schedule.max_gamma == 5
+    assert inner == resolved("draft", configs) != resolved("draft")
+
+
 def test_configs_build_the_hybrids(target: LoadedModel) -> None:
     for name, inner in (("draft_lookup", "DraftStrategy"), ("eagle_lookup", "EagleStrategy"),
                         ("hydra_lookup", "Medusa")):
-        cfg = OmegaConf.load(CONFIG_DIR / "strategy" / f"{name}.yaml")
+        cfg = resolved(name)
         assert cfg.name == name and cfg.inner._target_.endswith(inner)
-    cfg = OmegaConf.load(CONFIG_DIR / "strategy" / "draft_lookup.yaml")
+    cfg = resolved("draft_lookup")
     cfg.inner.draft = OmegaConf.load(CONFIG_DIR / "model" / "tiny-llama.yaml")  # any model sharing the tokenizer
     cfg.inner.draft.tiny.seed = 1
     built = instantiate(cfg)(target=target, max_len=128, prefill_chunk=64)

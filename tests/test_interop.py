@@ -16,7 +16,7 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor
 
 from heads.draft_model import DraftCheckpoint, DraftTrainable, target_embedding, target_head
-from heads.eagle import EagleTrainable
+from heads.eagle import EagleTrainable, load_eagle
 from heads.export import main as export_main
 from heads.interop.draft_hf import export_draft
 from heads.interop.eagle_layout import export_eagle, load_eagle_layout, read_eagle, read_eagle3
@@ -27,6 +27,8 @@ from specdec.cli_checks import CONFIG_DIR
 from specdec.errors import SpecdecError
 from specdec.models.loader import LoadedModel, load_model
 from specdec.strategies.base import GenerationParams
+from specdec.strategies.draft import FixedLength
+from specdec.strategies.eagle import EagleStrategy
 from specdec.strategies.greedy import Greedy
 
 REPO = Path(__file__).resolve().parent.parent
@@ -350,14 +352,16 @@ def test_eagle1_drafter_computes_the_published_drafter(tiny_target: LoadedModel,
 
 
 def test_published_eagle_drafter_on_the_cpu_kernels(load_tiny: Any, tmp_path: Path) -> None:
-    """On numba's kernels the fused layer stack (which normalises every block's input) is off for the drafter."""
+    """On numba's kernels the drafter runs on the fused layer stack, which skips its two absent norms."""
     pytest.importorskip("numba")
+    from specdec.models.cpu_layer import FusedStack
+
     torch_target, numba_target = load_tiny("llama"), load_tiny("llama", matmul="numba")
     eagle_folder(tmp_path, torch_target, 2, True, "model.safetensors", False)
     ids, feats = torch.tensor([5, 9, 31, 7]), rand(4, torch_target.hidden_size, seed=4)
     ref_logits, ref_h = run_net(load_eagle_layout(str(tmp_path)).bind(torch_target), ids, feats)
     net = load_eagle_layout(str(tmp_path)).bind(numba_target)
-    assert net.fused is None
+    assert isinstance(net.fused, FusedStack) and not net.fused.final_normed and not net.fused.attn_normed[0]
     logits, h = run_net(net, ids, feats)
     torch.testing.assert_close(h, ref_h, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(logits, ref_logits, atol=1e-4, rtol=1e-4)
@@ -374,16 +378,50 @@ def test_published_eagle_drafter_runs_in_the_strategy(tiny_target: LoadedModel, 
     assert eagle.generate(PROMPT, GenerationParams(20), 0).output_ids == greedy_ids(tiny_target, PROMPT, 20)
 
 
+def test_eagle1_trained_drafter_round_trips_through_the_published_layout(tiny_target: LoadedModel,
+                                                                          tmp_path: Path) -> None:
+    """head.layout=eagle1 -> python -m heads.export eagle -> load_eagle_layout: the same drafter, the same tokens."""
+    trainable = EagleTrainable(layers=2, kept_vocab=0, save_dtype="fp32", layout="eagle1")
+    module = trainable.build(tiny_target, None)
+    with torch.no_grad():
+        module.net.fc.weight.mul_(8)
+        for i, (name, p) in enumerate(module.net.named_parameters()):
+            if p.requires_grad and "norm" in name:  # layer 1's input norm and the post-attention norms
+                p.copy_(1 + rand(*p.shape, seed=100 + i, scale=0.2))
+    trainable.save(module, tmp_path / "specdec", {"steps": 0})
+    assert export_main(["eagle", str(tmp_path / "specdec"), "--out", str(tmp_path / "out"), "--dtype", "fp32"]) == 0
+    cfg = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert cfg["num_hidden_layers"] == 2 and "bias" not in cfg  # EAGLE's default (fc has one), no attention biases
+    written = read_eagle(tmp_path / "out")[1]
+    assert torch.equal(written["fc.bias"], torch.zeros(tiny_target.hidden_size))
+    assert "layers.1.input_layernorm.weight" in written and "layers.0.input_layernorm.weight" not in written
+    mine = load_eagle(str(tmp_path / "specdec")).bind(tiny_target)
+    back = load_eagle_layout(str(tmp_path / "out")).bind(tiny_target)
+    ids, feats = torch.tensor([5, 9, 31, 7, 2, 44]), rand(6, tiny_target.hidden_size, seed=3)
+    for got, want in zip(run_net(back, ids, feats), run_net(mine, ids, feats), strict=True):
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+    want_ids = greedy_ids(tiny_target, PROMPT, 24)
+    for net in (mine, back):
+        eagle = EagleStrategy(tiny_target, "eagle", net, FixedLength(3), 512, 64)
+        res = eagle.generate(PROMPT, GenerationParams(24), 0)
+        assert res.output_ids == want_ids and res.proposed > 0
+
+
 def test_specdec_eagle_drafter_is_refused(tiny_target: LoadedModel, tmp_path: Path, capsys: Any) -> None:
-    net = EagleTrainable(kept_vocab=0, save_dtype="fp32").build(tiny_target, None).net
+    trainable = EagleTrainable(kept_vocab=0, save_dtype="fp32")
+    module = trainable.build(tiny_target, None)
     with pytest.raises(SpecdecError, match="normalises its first block's input and its output"):
-        export_eagle(net, tmp_path, target_embedding(tiny_target))
+        export_eagle(module.net, tmp_path, target_embedding(tiny_target))
+    trainable.save(module, tmp_path / "specdec", {"steps": 0})
+    assert export_main(["eagle", str(tmp_path / "specdec"), "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "head.layout=eagle1" in err and not (tmp_path / "out").exists()
     shipped = REPO / "heads/checkpoints/smollm2-135m-eagle"
     if not shipped.is_dir():
         pytest.skip("no shipped EAGLE drafter")
-    assert export_main(["eagle", str(shipped), "--out", str(tmp_path)]) == 2
+    assert export_main(["eagle", str(shipped), "--out", str(tmp_path / "shipped")]) == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "no published layout" in err and not any(tmp_path.iterdir())
+    assert err.count("\n") == 1 and "no published layout" in err and not (tmp_path / "shipped").exists()
 
 
 def eagle3_folder(out: Path, V: int = 512, D: int = 64, draft_vocab: int = 100) -> Tensor:
@@ -410,14 +448,13 @@ def eagle3_folder(out: Path, V: int = 512, D: int = 64, draft_vocab: int = 100) 
     return kept
 
 
-def test_eagle3_is_read_checked_and_refused(tmp_path: Path) -> None:
+def test_eagle3_is_read_and_checked(tmp_path: Path) -> None:
+    # loading, running and exporting EAGLE-3 drafters: tests/test_eagle3.py
     kept = eagle3_folder(tmp_path)
     cfg, st, where = read_eagle(tmp_path)
     layout = read_eagle3(cfg, st, where)
     assert torch.equal(layout.draft_ids, kept) and layout.target_hidden_size == 64
-    with pytest.raises(SpecdecError, match="is an EAGLE-3 drafter") as err:
-        load_eagle_layout(str(tmp_path))
-    assert "\n" not in str(err.value)
+    assert type(load_eagle_layout(str(tmp_path))).__name__ == "PublishedEagle3"
     st["t2d"] = torch.zeros_like(st["t2d"])
     with pytest.raises(SpecdecError, match="d2t and t2d disagree"):
         read_eagle3(cfg, st, where)

@@ -314,7 +314,9 @@ def test_run_reuses_within_a_conversation_only(tmp_path: Path, monkeypatch: pyte
     monkeypatch.setattr(StaticEngine, "prefill", spy)
     data = write_questions(tmp_path / "q.jsonl", 2, turns=3)
     out = tmp_path / "out"
+    # greedy_full as experiment=prefix_cache defines it: greedy under a second name with prefix_cache false
     cfg = make_cfg(out, "data=jsonl", f"data.path={data}", "strategies=[greedy,greedy_full]",
+                   "+strategy@strategy_configs.greedy_full=greedy", "+strategy_configs.greedy_full.prefix_cache=false",
                    "generation.max_new_tokens=6")
     summary = run(cfg)
     rows = read_answers(out)

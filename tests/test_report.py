@@ -13,7 +13,7 @@ from PIL import Image
 
 from specdec.errors import SpecdecError
 from specdec.metrics import add_speedup_ci, summarize
-from specdec.report import find_runs, load_runs, main, sweep_axis, write_report
+from specdec.report import find_runs, load_runs, main, overall_table, sweep_axis, write_report
 
 # (strategy, question, category, repeat) -> (new_tokens, wall_time_s, accept_lengths)
 ANSWERS: dict[tuple[str, str, str, int], tuple[int, float, list[int]]] = {
@@ -123,10 +123,10 @@ def test_overall_and_category_tables_match_the_answers(tmp_path: Path) -> None:
     accepts = [a for k, v in ANSWERS.items() if k[0] == "prompt_lookup" for a in v[2]]
     assert pl["tau"] == f"{statistics.fmean(accepts):.2f}"
     accepted = [a - 1 for k, v in ANSWERS.items() if k[0] == "prompt_lookup" for a in v[2][1:]]
-    assert pl["alpha"] == f"{sum(accepted) / (DRAFT * len(accepted)):.2f}"
+    assert pl["alpha longest path"] == f"{sum(accepted) / (DRAFT * len(accepted)):.2f}"
     assert pl["matches baseline"] == "1.00"
     assert pl["TTFT p50 (ms)"] == "100.0"
-    assert overall["greedy"]["alpha"] == "-"
+    assert overall["greedy"]["alpha longest path"] == overall["greedy"]["alpha per node"] == "-"
     assert pl["predicted speedup"] not in ("", "-")
 
     by_cat = t["speedup"]
@@ -234,6 +234,11 @@ def test_tree_alpha_per_node_and_per_longest_path() -> None:
     s = summarize([row], "medusa", 0.0)["strategies"]["medusa"]
     assert s["alpha_longest_path"] == s["acceptance_rate"] == pytest.approx(4 / 6)
     assert s["alpha_per_node"] == pytest.approx(4 / 10)
+    # the report names both columns; the cells are the summary's
+    header, *rows = overall_table(summarize([row], "medusa", 0.0)).splitlines()
+    line = next(x for x in rows if x.startswith("| medusa"))
+    cells = dict(zip([h.strip() for h in header.split("|")], [c.strip() for c in line.split("|")]))
+    assert cells["alpha longest path"] == "0.67" and cells["alpha per node"] == "0.40"
     del row["proposed_nodes"]  # rows written before the field: no per-node figure rather than a wrong one
     assert summarize([row], "medusa", 0.0)["strategies"]["medusa"]["alpha_per_node"] is None
 

@@ -3,6 +3,7 @@ mocked: no network here), decontaminated, self-distilled through the target's ch
 
 from __future__ import annotations
 
+import gzip
 import json
 import subprocess
 import sys
@@ -19,6 +20,7 @@ from heads.prompt_sources import (
     PromptStats,
     conversation,
     conversation_prompts,
+    data_suffix,
     load_rows,
     prompts_from_rows,
     source_prompts,
@@ -129,6 +131,11 @@ def test_local_json_array_parquet_and_folders_load(tmp_path: Path) -> None:
     for source in (shard, f"{shard}/*.jsonl"):
         prompts, stats = source_prompts(str(source), log=lambda s: None)
         assert stats.rows == 6 and len(prompts) == 6
+    gz = tmp_path / "magpie.jsonl.gz"  # compressed jsonl, as heads.magpie writes it
+    gz.write_bytes(gzip.compress("".join(json.dumps(r) + "\n" for r in rows).encode()))
+    prompts, _ = source_prompts(str(gz), log=lambda s: None)
+    assert set(prompts) == want
+    assert data_suffix("a/b.jsonl.gz") == ".jsonl" and data_suffix("x.parquet") == ".parquet"
     named, _ = source_prompts(str(tmp_path / "array.json"), field="messages", shuffle=False, log=lambda s: None)
     assert named == [f"Explain idea number {i}." for i in range(4)]
     # a field that changes type between rows (as in some ShareGPT dumps) still reads: row by row

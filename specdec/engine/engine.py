@@ -10,6 +10,7 @@ prefix the new prompt shares with the cache and feeds only the rest.
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -27,6 +28,9 @@ from specdec.errors import SpecdecError
 class ForwardOut:
     logits: Tensor  # (T, V) float32, one row per fed token (prefill: the last token only)
     hidden: Tensor  # (T, dim) final-norm hidden states of the fed tokens
+    # (T, n dim) the residual stream entering each tapped layer, concatenated in layer order; only from an
+    # engine asked for taps (`use_taps`, an EAGLE-3 drafter's features), else None
+    taps: Tensor | None = None
 
 
 class Engine(Protocol):
@@ -36,6 +40,7 @@ class Engine(Protocol):
     prefilled: int  # tokens the last prefill fed (the rest of its prompt was reused)
 
     def reuse_prefix(self, on: bool) -> None: ...
+    def use_taps(self, layers: tuple[int, ...]) -> None: ...
     def reset(self) -> None: ...
     def prefill(self, ids: list[int]) -> ForwardOut: ...
     def forward(self, tokens: Tensor, depth: Tensor | None = None, mask: Tensor | None = None) -> ForwardOut: ...
@@ -63,16 +68,24 @@ class HeldTokens:
     def __init__(self, slots: int, device: torch.device | str) -> None:
         self.ids = torch.full((slots,), -1, dtype=torch.long, device=device)  # (S,)
         self.hidden: Tensor | None = None  # (S, D), allocated by the first write (dtype and D from it)
+        self.taps: Tensor | None = None  # (S, n D) likewise, when the engine taps layers
 
-    def write(self, at: int, tokens: Tensor, hidden: Tensor) -> None:
-        """tokens (T,) and their hidden states (T, D), fed at slots at.. ."""
+    def write(self, at: int, tokens: Tensor, hidden: Tensor, taps: Tensor | None = None) -> None:
+        """tokens (T,) and their hidden states (T, D) (and taps (T, n D)), fed at slots at.. ."""
         if self.hidden is None:
-            # a normal tensor even when first written under inference mode, so that a compaction outside
-            # it (tests, tools) may update it in place, like the K/V buffers
-            with torch.inference_mode(False):
-                self.hidden = torch.empty(len(self.ids), hidden.shape[-1], dtype=hidden.dtype, device=hidden.device)
+            self.hidden = self._buffer(hidden)
+        if taps is not None and self.taps is None:
+            self.taps = self._buffer(taps)
         self.ids[at:at + len(tokens)] = tokens
         self.hidden[at:at + len(tokens)] = hidden
+        if taps is not None:
+            self.taps[at:at + len(tokens)] = taps  # type: ignore[index]
+
+    def _buffer(self, like: Tensor) -> Tensor:
+        # a normal tensor even when first written under inference mode, so that a compaction outside
+        # it (tests, tools) may update it in place, like the K/V buffers
+        with torch.inference_mode(False):
+            return torch.empty(len(self.ids), like.shape[-1], dtype=like.dtype, device=like.device)
 
     def compact(self, start: int, keep: list[int]) -> None:
         """As KVCache.compact: slots `keep` (increasing, >= start) move to start, start + 1, ..."""
@@ -83,6 +96,8 @@ class HeldTokens:
         self.ids[start:end] = self.ids.index_select(0, idx)  # index_select copies: overlaps are safe
         if self.hidden is not None:
             self.hidden[start:end] = self.hidden.index_select(0, idx)
+        if self.taps is not None:
+            self.taps[start:end] = self.taps.index_select(0, idx)
 
     @host_read
     def shared_prefix(self, length: int, ids: list[int]) -> int:
@@ -98,6 +113,10 @@ class HeldTokens:
         """(n, D) hidden states of slots 0..n-1, copied: later passes overwrite the buffer."""
         assert self.hidden is not None
         return self.hidden[:n].clone()
+
+    def prompt_taps(self, n: int) -> Tensor | None:
+        """(n, n_taps D) taps of slots 0..n-1, copied; None when the engine taps nothing."""
+        return None if self.taps is None else self.taps[:n].clone()
 
 
 class StaticEngine:
@@ -130,11 +149,26 @@ class StaticEngine:
         self._arange = torch.arange(max_len, device=self.device)
         self.held: HeldTokens | None = None
         self.prefilled = 0
+        self.taps: tuple[int, ...] = ()
         self.reuse_prefix(prefix_cache)
 
     @property
     def length(self) -> int:
         return self.cache.lengths[0]
+
+    def use_taps(self, layers: tuple[int, ...]) -> None:
+        """From now on every pass also returns `ForwardOut.taps`: the residual stream entering each of
+        `layers` (indices into the model's layers), concatenated in layer order. Off unless asked for, so
+        other strategies pay nothing; the cache starts empty (what it held was computed without taps)."""
+        self.taps = tuple(sorted(layers))
+        if self.static is not None:  # its own graphs: the taps leave the step with the hidden states
+            self.static = StaticStep(self.model, self.cache, compile=self.static.compiled, taps=self.taps)
+            if self.static.compiled:
+                self.static.warm_up()
+        if self.taps and getattr(self.model, "fused", None) is not None:
+            print("note: the target's layer taps (EAGLE-3) need each layer's input, which the CPU kernels' fused "
+                  "stack does not return; its passes run layer by layer (same kernels, more calls)", file=sys.stderr)
+        self.reuse_prefix(self.held is not None)
 
     def reuse_prefix(self, on: bool) -> None:
         """Prefix reuse on or off; the cache starts empty either way (what it held was not tracked)."""
@@ -152,17 +186,18 @@ class StaticEngine:
         start = _reuse_point(self, ids)
         self.rollback(start)
         t = torch.as_tensor(ids, device=self.device)
-        hidden = []
+        hidden, taps = [], []
         for s in range(start, len(ids), self.prefill_chunk):
             chunk = t[s:s + self.prefill_chunk]
             last = s + len(chunk) == len(ids)
-            logits, h = self._run(chunk, self._arange[s:s + len(chunk)], None,
-                                  logits_from=len(chunk) - 1 if last else len(chunk))
-            hidden.append(h)
+            out = self._run(chunk, self._arange[s:s + len(chunk)], None,
+                            logits_from=len(chunk) - 1 if last else len(chunk))
+            hidden.append(out.hidden)
+            taps.append(out.taps)
         self.prefilled = len(ids) - start
         if self.held is not None:
-            return ForwardOut(logits, self.held.prompt_hidden(len(ids)))
-        return ForwardOut(logits, torch.cat(hidden))
+            return ForwardOut(out.logits, self.held.prompt_hidden(len(ids)), self.held.prompt_taps(len(ids)))
+        return ForwardOut(out.logits, torch.cat(hidden), torch.cat(taps) if self.taps else None)
 
     @torch.inference_mode()
     def forward(self, tokens: Tensor, depth: Tensor | None = None, mask: Tensor | None = None) -> ForwardOut:
@@ -175,21 +210,28 @@ class StaticEngine:
                                    f"{self.max_len}; shorten the prompt or lower generation.max_new_tokens")
             logits, h = self.static(tokens, depth, mask, n)
             self.cache.advance(len(tokens))
+            taps = None
+            if self.taps:  # the tapped layers' inputs follow the hidden states in each row
+                h, taps = h.split([self.model.args.dim, len(self.taps) * self.model.args.dim], -1)
             if self.held is not None:
-                self.held.write(n, tokens, h)
-            return ForwardOut(logits, h)
+                self.held.write(n, tokens, h, taps)
+            return ForwardOut(logits, h, taps)
         pos = self._arange[n:n + len(tokens)] if depth is None else n + depth.to(self.device)
-        logits, h = self._run(tokens, pos, mask)
-        return ForwardOut(logits, h)
+        return self._run(tokens, pos, mask)
 
-    def _run(self, tokens: Tensor, positions: Tensor, mask: Tensor | None,
-             logits_from: int = 0) -> tuple[Tensor, Tensor]:
+    def _run(self, tokens: Tensor, positions: Tensor, mask: Tensor | None, logits_from: int = 0) -> ForwardOut:
         n = self.length
         attn = self.cache.attention_mask(mask, len(tokens))
-        logits, h = self.model(tokens[None], positions[None], self.cache, attn, logits_from=logits_from)
+        taps = None
+        if self.taps:
+            logits, h, taps = self.model.forward_tapped(tokens[None], positions[None], self.cache, attn, logits_from,
+                                                        self.taps)
+            taps = taps[0]
+        else:
+            logits, h = self.model(tokens[None], positions[None], self.cache, attn, logits_from=logits_from)
         if self.held is not None:
-            self.held.write(n, tokens, h[0])
-        return logits[0].float(), h[0]
+            self.held.write(n, tokens, h[0], taps)
+        return ForwardOut(logits[0].float(), h[0], taps)
 
     def rollback(self, length: int) -> None:
         self.cache.rollback(length)
@@ -216,11 +258,17 @@ class HFEngine:
         self.length = 0
         self.held: HeldTokens | None = None
         self.prefilled = 0
+        self.taps: tuple[int, ...] = ()
         self.reuse_prefix(prefix_cache)
 
     @property
     def device(self) -> torch.device:
         return self.model.device
+
+    def use_taps(self, layers: tuple[int, ...]) -> None:
+        """As StaticEngine.use_taps: transformers' hidden_states[i] is the input of layer i."""
+        self.taps = tuple(sorted(layers))
+        self.reuse_prefix(self.held is not None)
 
     def reuse_prefix(self, on: bool) -> None:
         """Prefix reuse on or off; the cache starts empty either way (what it held was not tracked)."""
@@ -239,8 +287,10 @@ class HFEngine:
         t = torch.as_tensor(ids, device=self.device)
         outs = [self.forward(t[s:s + self.prefill_chunk]) for s in range(start, len(ids), self.prefill_chunk)]
         self.prefilled = len(ids) - start
-        hidden = self.held.prompt_hidden(len(ids)) if self.held is not None else torch.cat([o.hidden for o in outs])
-        return ForwardOut(outs[-1].logits[-1:], hidden)
+        if self.held is not None:
+            return ForwardOut(outs[-1].logits[-1:], self.held.prompt_hidden(len(ids)), self.held.prompt_taps(len(ids)))
+        taps = torch.cat([o.taps for o in outs]) if self.taps else None  # type: ignore[misc]
+        return ForwardOut(outs[-1].logits[-1:], torch.cat([o.hidden for o in outs]), taps)
 
     @torch.inference_mode()
     def forward(self, tokens: Tensor, depth: Tensor | None = None, mask: Tensor | None = None) -> ForwardOut:
@@ -253,10 +303,11 @@ class HFEngine:
         tokens = tokens.to(self.device)
         out = self.model(tokens[None], past_key_values=self.cache, use_cache=True, output_hidden_states=True)
         hidden = out.hidden_states[-1][0]  # (T, D)
+        taps = torch.cat([out.hidden_states[i][0] for i in self.taps], -1) if self.taps else None
         if self.held is not None:
-            self.held.write(self.length, tokens, hidden)
+            self.held.write(self.length, tokens, hidden, taps)
         self.length += len(tokens)
-        return ForwardOut(out.logits[0].float(), hidden)
+        return ForwardOut(out.logits[0].float(), hidden, taps)
 
     def rollback(self, length: int) -> None:
         if not 0 <= length <= self.length:
@@ -294,7 +345,7 @@ def pass_cost_curve(engine: Engine, sizes: list[int], context: int = 128, reps: 
     """Time of a target pass over each number of new tokens in `sizes`, relative to one token.
 
     Strategies call this at start-up to decide how much drafting pays on the hardware they run on
-    (on a 2-core CPU a pass over 8 tokens costs ~1.5-2x one; on a GPU close to 1x)."""
+    (on a CPU a pass costs more the more tokens it feeds; on a GPU it is nearly flat)."""
     times = pass_times(engine, [0] * min(context, engine.max_len - max(sizes) - 1), [1, *sizes], reps)
     return {n: times[n] / times[1] for n in sizes}
 

@@ -103,8 +103,9 @@ def read_greedy(logits: Tensor, tokens: Tensor | None = None) -> tuple[list[int]
 def argmax_rows(logits: Tensor) -> list[int]:
     """The greedy token of each row of logits (T, V) (the first maximum, as torch.argmax gives).
 
-    Why numpy on CPU float32: torch's argmax took 62 us per row of SmolLM2's 49k logits on these
-    machines, numpy's 4 (a scratch timing); verification pays it for every token of the pass.
+    Why numpy on CPU float32: torch's argmax was many times slower per row of SmolLM2's 49k logits
+    (experiments/README.md, "One call per pass, int8 drafter weights"); verification pays it for every
+    token of the pass.
     """
     if logits.device.type == "cpu" and logits.dtype == torch.float32:
         return logits.numpy().argmax(-1).tolist()
@@ -119,7 +120,7 @@ def sample(probs: Tensor, generator: torch.Generator | None) -> int:
 
 def check_finite(logits: Tensor) -> None:
     # One reduction instead of a (T, V) mask: any NaN or inf makes its row's sum NaN or inf (logits of
-    # real models are far too small for a sum of 50k of them to overflow). ~4x cheaper on a CPU.
+    # real models are far too small for a sum of 50k of them to overflow). Much cheaper on a CPU.
     if not torch.isfinite(logits.sum(-1)).all():
         raise SpecdecError("the model produced NaN or inf logits; try model.dtype=fp32, or check the weights")
 

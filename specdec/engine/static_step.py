@@ -56,15 +56,19 @@ def allow_many_graphs() -> None:
     torch._dynamo.config.accumulated_recompile_limit = max(torch._dynamo.config.accumulated_recompile_limit, 1024)
 
 
-def compiled_step(model: torch.nn.Module, compile: bool) -> Callable[..., tuple[Tensor, Tensor]]:
-    """model.forward_static over (tokens, positions, slots, tree, k, v), compiled once per model (kept
-    on it): every engine and strategy over the same model replays the same graphs."""
-    key = "_static_step_compiled" if compile else "_static_step_eager"
+def compiled_step(model: torch.nn.Module, compile: bool,
+                  taps: tuple[int, ...] = ()) -> Callable[..., tuple[Tensor, Tensor]]:
+    """model.forward_static over (tokens, positions, slots, tree, k, v), compiled once per model and taps
+    (kept on it): every engine and strategy over the same model replays the same graphs."""
+    key = ("_static_step_compiled" if compile else "_static_step_eager") + (f"_taps{list(taps)}" if taps else "")
     fn = model.__dict__.get(key)
     if fn is None:
+        tapped = {"taps": taps} if taps else {}  # Llama.forward_static: the tapped layers' inputs too
+
         def step(tokens: Tensor, positions: Tensor, slots: Tensor, tree: Tensor, k: Tensor, v: Tensor,
                  *extra: Tensor) -> tuple[Tensor, Tensor]:
-            return model.forward_static(tokens, positions, slots, tree, CacheView(k, v), *extra)  # type: ignore[operator]
+            return model.forward_static(tokens, positions, slots, tree, CacheView(k, v), *extra,  # type: ignore[operator]
+                                        **tapped)
 
         device = next(model.parameters()).device
         allow_many_graphs()
@@ -79,9 +83,11 @@ class StaticStep:
     `__call__(tokens, depth, mask, length)` takes what `StaticEngine.forward` takes plus the number of
     cached tokens, and returns logits (T, V) and hidden states (T, dim) for the T real tokens.
     `features` (T, dim): the per-token inputs of a feature drafter (heads.eagle.EagleNet), padded too.
+    `taps`: the model's tapped layers (Llama.forward_static), returned after the hidden states in their rows.
     """
 
-    def __init__(self, model: torch.nn.Module, cache: KVCache, compile: bool = True) -> None:
+    def __init__(self, model: torch.nn.Module, cache: KVCache, compile: bool = True,
+                 taps: tuple[int, ...] = ()) -> None:
         self.cache = cache
         self.device = cache.k.device
         self.size = cache.k.shape[3]
@@ -89,7 +95,7 @@ class StaticStep:
             # cudagraphs may only mutate inputs whose address never changes: the cache's buffers
             torch._dynamo.mark_static_address(cache.k)
             torch._dynamo.mark_static_address(cache.v)
-        self.step = compiled_step(model, compile)
+        self.step = compiled_step(model, compile, taps)
         self.compiled = compile
         self._arange = torch.arange(self.size, device=self.device)
         with torch.inference_mode():  # as the masks a tree step builds: guards tell inference tensors apart

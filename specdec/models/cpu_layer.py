@@ -5,7 +5,8 @@ the products and another 15 ms in the ~25 small torch ops per layer around them 
 cache writes, attention, residuals) and the Python that calls them. Those ops first moved into one
 compiled function per layer (`layer_forward`); calling it once per layer from Python still cost about
 4 ms of a 23 ms pass, so `FusedStack` now runs every layer and the final norm in one call. The math is
-`llama.Block`'s; `tests/test_model.py` checks the two agree.
+`llama.Block`'s; `tests/test_model.py` checks the two agree. A `llama.PassThroughNorm` in place of a block's
+input norm or of the final norm (EAGLE-1's drafter layout) is skipped there too (tests/test_eagle.py).
 
 Up to `FUSED_ROWS` new tokens (decode steps, drafts, token trees, prompt chunks) of one sequence, or
 the rows of several sequences of a batched cache at once (`FusedStack.run_segments`: the linears run
@@ -25,7 +26,7 @@ from torch import Tensor
 
 from specdec.engine.kv_cache import KVCache
 from specdec.models import cpu_kernels
-from specdec.models.llama import Block, Llama
+from specdec.models.llama import Block, Llama, PassThroughNorm, RMSNorm
 
 # The most new tokens one fused pass takes; engines prefill in chunks of this many. Prompt chunks, too,
 # run faster here than through BLAS over weights unpacked from the panels: a 150-token SmolLM2-135M
@@ -126,7 +127,14 @@ if cpu_kernels.available():
         sums = np.empty((n_kv, R, Pd * NB), dtype=np.float32)
         rows = tiles.shape[0]
         f4 = np.int64(4)
-        qbase, sbase, ubase = np.int64(queries.ctypes.data), np.int64(scores.ctypes.data), np.int64(sums.ctypes.data)
+        # The kernels get addresses, which numba does not count as uses: an array of this function's own
+        # whose last use is taking its address is freed right there (numba deletes a variable after its
+        # last use), and the loop's allocations (`totals`) may then reuse and overwrite its memory while the
+        # kernels still read it. So queries, scores and sums are each sliced inside the loop, per job, which
+        # keeps them alive until the loop ends. (`queries` was freed before the loop: with one numba thread,
+        # whose allocations come from the caller's heap, the first `totals` split its freed block and
+        # overwrote some queries, and tokens' outputs varied from run to run.) The panels are arguments,
+        # alive in the caller.
         kbase, ks = np.int64(key_panels.ctypes.data), np.int64(key_panels.strides[0])
         vbase = np.int64(value_panels.ctypes.data)
         vs0, vs1 = np.int64(value_panels.strides[0]), np.int64(value_panels.strides[1])
@@ -135,8 +143,10 @@ if cpu_kernels.available():
         for job in prange(n_kv * blocks):
             g, r0 = job // blocks, (job % blocks) * rows
             m = min(rows, R - r0)
-            srow = sbase + f4 * (g * R + r0) * ld_s
-            _call_tile(tiles[m - 1], qbase + f4 * (g * R + r0) * head_dim, np.int64(head_dim), kbase + g * ks,
+            qrow = np.int64(queries[g, r0:].ctypes.data)
+            srow = np.int64(scores[g, r0:].ctypes.data)
+            urow = np.int64(sums[g, r0:].ctypes.data)
+            _call_tile(tiles[m - 1], qrow, np.int64(head_dim), kbase + g * ks,
                        srow, ld_s, np.int64(head_dim), np.int64(0), np.int64(P))
             totals = np.empty(m, dtype=np.float32)
             for r in range(r0, r0 + m):
@@ -154,7 +164,7 @@ if cpu_kernels.available():
             _row_sums(scores[g, r0:r0 + m], S, totals)
             for pd in range(Pd):
                 _call_tile(tiles[m - 1], srow, ld_s, vbase + g * vs0 + pd * vs1,
-                           ubase + f4 * ((g * R + r0) * ld_u + pd * NB), ld_u, np.int64(S), np.int64(0), np.int64(1))
+                           urow + f4 * pd * NB, ld_u, np.int64(S), np.int64(0), np.int64(1))
             for r in range(r0, r0 + m):
                 t, h = r // group, g * group + r % group
                 for d in range(head_dim):
@@ -169,17 +179,21 @@ if cpu_kernels.available():
 
     @njit
     def layer_forward(x, rope, keys, values, key_panels, value_panels, segments, mask, use_mask,  # pragma: no cover
-                      attn_norm, wqkv, bqkv, bo, wo, mlp_norm, w_gate_up, w_down, eps, n_heads, n_kv, head_dim,
-                      hidden, tiles, att_tiles):
+                      attn_normed, attn_norm, wqkv, bqkv, bo, wo, mlp_norm, w_gate_up, w_down, eps, n_heads, n_kv,
+                      head_dim, hidden, tiles, att_tiles):
         """x (R, dim) -> the layer's output (R, dim). The rows are segments of new tokens of the cache's
         sequences, segments (n_seg, 4) [b, start, r0, n]: rows r0..r0+n-1 are sequence b's, their K/V go to
         its slots start..start+n-1 and they attend over its slots 0..start+n-1 (mask rows r0.., as in _attend).
         keys, values (B, Hkv, S_max, D) and their panels carry the batch axis.
         The four matrices come as `cpu_kernels.pack` panels, all of one type; `tiles` are the addresses of
-        the kernels for that type (`cpu_kernels.tiles_for`), `att_tiles` those for float32 (attention's)."""
+        the kernels for that type (`cpu_kernels.tiles_for`), `att_tiles` those for float32 (attention's).
+        attn_normed False: the attention reads x itself (no input norm, EAGLE-1's first drafter layer)."""
         R, dim = x.shape
-        h = np.empty((R, dim), dtype=np.float32)
-        _rms_norm(x, attn_norm, eps, h)
+        h = np.empty((R, dim), dtype=np.float32)  # a copy either way: h is reused for the MLP's input below
+        if attn_normed:
+            _rms_norm(x, attn_norm, eps, h)
+        else:
+            h[:] = x
         qkv = np.empty((R, wqkv.shape[0] * wqkv.shape[2]), dtype=np.float32)  # padded to whole panels
         mm_into(h, wqkv, qkv, tiles)  # every row at once: the weights are read once for all sequences
         for t in range(R):
@@ -213,17 +227,20 @@ if cpu_kernels.available():
 
     @njit(cache=True)
     def stack_forward(x, rope, keys, values, key_panels, value_panels, segments, mask, use_mask,  # pragma: no cover
-                      attn_norms, wqkv, bqkv, bo, wo, mlp_norms, w_gate_up, w_down, norm, eps, n_heads, n_kv,
-                      head_dim, hidden, tiles, att_tiles):
+                      attn_normed, attn_norms, wqkv, bqkv, bo, wo, mlp_norms, w_gate_up, w_down, final_normed, norm,
+                      eps, n_heads, n_kv, head_dim, hidden, tiles, att_tiles):
         """Every layer, then the final norm: x (R, dim) -> final-norm hidden states (R, dim), the rows being
         `segments` of the cache's sequences (layer_forward). Per-layer arrays come stacked on a leading
         layer axis; keys, values (L, B, Hkv, S_max, D) and their panels (KVCache.keep_panels)
-        (L, B, Hkv, P, D, NB) and (L, B, Hkv, Pd, S_max, NB)."""
+        (L, B, Hkv, P, D, NB) and (L, B, Hkv, Pd, S_max, NB). attn_normed (L,) bool: whether layer l
+        normalises its input; final_normed False: the last layer's output is returned as it is."""
         for layer in range(attn_norms.shape[0]):
             x = layer_forward(x, rope, keys[layer], values[layer], key_panels[layer], value_panels[layer], segments,
-                              mask, use_mask, attn_norms[layer], wqkv[layer], bqkv[layer], bo[layer], wo[layer],
-                              mlp_norms[layer], w_gate_up[layer], w_down[layer], eps, n_heads, n_kv, head_dim, hidden,
-                              tiles, att_tiles)
+                              mask, use_mask, attn_normed[layer], attn_norms[layer], wqkv[layer], bqkv[layer],
+                              bo[layer], wo[layer], mlp_norms[layer], w_gate_up[layer], w_down[layer], eps, n_heads,
+                              n_kv, head_dim, hidden, tiles, att_tiles)
+        if not final_normed:
+            return x  # layer_forward's own array, never the caller's input (L >= 1)
         out = np.empty_like(x)
         _rms_norm(x, norm, eps, out)
         return out
@@ -248,6 +265,7 @@ class FusedStack:
         self.n_heads, self.n_kv, self.head_dim = first.attn.n_heads, first.attn.n_kv, first.attn.head_dim
         self.hidden, self.eps = first.mlp.hidden_dim, first.attn_norm.eps
         self.attn_norms = np.stack([b.attn_norm.weight.detach().numpy() for b in blocks])  # (L, dim)
+        self.attn_normed = np.array([not isinstance(b.attn_norm, PassThroughNorm) for b in blocks])  # (L,) bool
         self.mlp_norms = np.stack([b.mlp_norm.weight.detach().numpy() for b in blocks])
         # zeros where the model has no bias: adding 0 is exact
         self.bqkv = np.stack([_bias(b.attn.wqkv) for b in blocks])  # (L, qkv_out)
@@ -261,6 +279,7 @@ class FusedStack:
         self.att_panel = cpu_kernels.kernels().isa.panel  # slots per key panel: the tiles' NB
         self.norm = model.norm.weight.detach().numpy()
         self.norm_eps = model.norm.eps
+        self.final_normed = not isinstance(model.norm, PassThroughNorm)
         self._rope = np.empty((0, self.head_dim // 2, 2), dtype=np.float32)
 
     def takes(self, x: Tensor) -> bool:
@@ -307,9 +326,9 @@ class FusedStack:
         h = stack_forward(
             np.ascontiguousarray(x.detach().numpy()), rope, cache.k.numpy(), cache.v.numpy(),
             cache.key_panels.numpy(), cache.value_panels.numpy(), segments, m, use_mask,
-            self.attn_norms, self.wqkv, self.bqkv, self.bo, self.wo, self.mlp_norms, self.w_gate_up,
-            self.w_down, self.norm, self.norm_eps, self.n_heads, self.n_kv, self.head_dim, self.hidden, self.tiles,
-            self.att_tiles)
+            self.attn_normed, self.attn_norms, self.wqkv, self.bqkv, self.bo, self.wo, self.mlp_norms,
+            self.w_gate_up, self.w_down, self.final_normed, self.norm, self.norm_eps, self.n_heads, self.n_kv,
+            self.head_dim, self.hidden, self.tiles, self.att_tiles)
         return torch.from_numpy(h)
 
     _all_visible = np.ones((1, 1), dtype=np.bool_)
@@ -362,7 +381,7 @@ def use_fused_stacks(model: torch.nn.Module) -> int:
     FusedStack (its passes over a few tokens then run as one call); returns how many."""
     count = 0
     for m in model.modules():
-        if isinstance(m, Llama) and len(m.layers) and _one_panel_type(m):
+        if isinstance(m, Llama) and len(m.layers) and _one_panel_type(m) and _known_norms(m):
             m.fused = FusedStack(m)
             count += 1
     return count
@@ -372,6 +391,13 @@ def _one_panel_type(model: Llama) -> bool:
     panels = [getattr(lin, "panels", None) for b in model.layers
               for lin in (b.attn.wqkv, b.attn.wo, b.mlp.w_gate_up, b.mlp.w_down)]
     return all(p is not None for p in panels) and len({p.dtype for p in panels}) == 1
+
+
+def _known_norms(model: Llama) -> bool:
+    """Norms the fused stack computes: RMSNorm everywhere, or PassThroughNorm on block inputs and the output."""
+    either = (RMSNorm, PassThroughNorm)
+    return all(isinstance(b.attn_norm, either) and isinstance(b.mlp_norm, RMSNorm) for b in model.layers) \
+        and isinstance(model.norm, either)
 
 
 def use_layer_by_layer(model: torch.nn.Module) -> None:

@@ -1,9 +1,9 @@
 """CPU linear layers that run their matrix products outside torch: NumPy's BLAS, or numba kernels.
 
 Why: decoding one token is a chain of matrix-vector products that only memory bandwidth limits.
-On the 2-core machines we measure on, torch's MKL GEMV streamed weights at about 13 GB/s (one core),
-while OpenBLAS through NumPy reached about 20 GB/s (both cores); a SmolLM2-135M decode step went from
-about 66 ms to about 46 ms. torch's own thread pool must then run single-threaded, or its spinning
+On the 2-core machines we measure on, OpenBLAS through NumPy (both cores) streamed weights faster than
+torch's MKL GEMV (one core), and a SmolLM2-135M decode step got markedly cheaper (experiments/README.md,
+"Figures moved out of code and configs"). torch's own thread pool must then run single-threaded, or its spinning
 OpenMP workers fight OpenBLAS for the two cores (see `LoadedModel.torch_threads`).
 BLAS is still slow for 2 to 24 rows (verification passes); `NumbaLinear` fixes that (see cpu_kernels).
 """
@@ -103,8 +103,8 @@ class PanelEmbedding(nn.Module):
 
 def padded_rows(rows: int) -> int:
     """Row count to run a GEMM at. Measured on this project's 2-core machines (SmolLM2-135M's
-    matrices, OpenBLAS): 1 row 24 ms, 2-7 rows 48-78 ms, 8 rows 45 ms, 16 rows 61 ms, 24 rows 69 ms,
-    so odd sizes are padded up to the next multiple of 8."""
+    matrices, OpenBLAS), 2-7 rows cost more than 8 (experiments/README.md, "Figures moved out of code and
+    configs"), so odd sizes are padded up to the next multiple of 8."""
     return rows if rows == 1 or rows % 8 == 0 else (rows + 7) // 8 * 8
 
 

@@ -94,6 +94,20 @@ class RMSNorm(nn.Module):
         return self.weight * xf.to(x.dtype)
 
 
+class PassThroughNorm(nn.Module):
+    """Stands where a network has no norm (EAGLE-1's layer 0 input and output): returns its input. Keeps a
+    `weight` of ones (never applied) so code that reads a norm's device, dtype or eps still works; the CPU
+    kernels' fused stack skips it (cpu_layer.FusedStack)."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x
+
+
 def apply_rope(x: Tensor, freqs: Tensor) -> Tensor:
     """Rotate adjacent pairs of x (B, T, H, D) by freqs (B, T, 1, D/2) as complex numbers.
 
@@ -234,34 +248,54 @@ class Llama(nn.Module):
         # expanded copies of the output head (most of a batched prefill in a profile), so copy the rows instead.
         return self.lm_head(h[:, logits_from:].contiguous()), h
 
-    def run_layers(self, x: Tensor, positions: Tensor, cache: KVCache, mask: Tensor | None) -> Tensor:
-        """The layers and the final norm over inputs x (B, T, dim) -> hidden states (B, T, dim)."""
-        if self.fused is not None and self.fused.takes(x):
+    def run_layers(self, x: Tensor, positions: Tensor, cache: KVCache, mask: Tensor | None,
+                   taps: tuple[int, ...] = (), seen: list[Tensor] | None = None) -> Tensor:
+        """The layers and the final norm over inputs x (B, T, dim) -> hidden states (B, T, dim).
+        taps: append to `seen` the residual stream entering each of these layers (B, T, dim), in layer
+        order; the fused stack returns only the final state, so a tapped pass runs layer by layer."""
+        if self.fused is not None and not taps and self.fused.takes(x):
             return self.fused(self, x, positions, cache, mask)
         freqs = self.rope(positions)
-        for block in self.layers:
+        for i, block in enumerate(self.layers):
+            if i in taps:
+                seen.append(x)  # type: ignore[union-attr]
             x = block(x, freqs, cache, mask)
         return self.norm(x)
 
+    def forward_tapped(self, tokens: Tensor, positions: Tensor, cache: KVCache, mask: Tensor | None,
+                       logits_from: int, taps: tuple[int, ...]) -> tuple[Tensor, Tensor, Tensor]:
+        """forward, plus the residual stream entering each layer of `taps` (increasing), concatenated:
+        (B, T, len(taps) dim), what an EAGLE-3 drafter reads (heads/eagle3.py)."""
+        cache.reserve(tokens.shape[1])
+        seen: list[Tensor] = []
+        h = self.run_layers(self.embed(tokens), positions, cache, mask, taps, seen)  # (B, T, dim)
+        cache.advance(tokens.shape[1])
+        return self.lm_head(h[:, logits_from:].contiguous()), h, torch.cat(seen, -1)
+
     def forward_static(self, tokens: Tensor, positions: Tensor, slots: Tensor, tree: Tensor,
-                       cache: KVCache) -> tuple[Tensor, Tensor]:
+                       cache: KVCache, taps: tuple[int, ...] = ()) -> tuple[Tensor, Tensor]:
         """The step `torch.compile` captures: every shape fixed by the token bucket T and the cache size.
 
         tokens, positions (1, T); slots (T,) the cache slots the new K/V go to, slots[0] being the number
         of cached tokens; tree (T, T) which new tokens each new token sees. Nothing here reads a host
         integer that changes between steps, so one compiled graph (one CUDA graph) serves every step
-        of a bucket. Returns logits (1, T, V) and final-norm hidden states (1, T, dim).
+        of a bucket. Returns logits (1, T, V) and final-norm hidden states (1, T, dim); with `taps` the
+        tapped layers' inputs follow the final-norm state in the same rows: (1, T, (1 + len(taps)) dim).
         """
         x = self.embed(tokens)  # (1, T, dim)
-        h = self.layers_static(x, positions, slots, tree, cache)
-        return self.lm_head(h), h
+        seen: list[Tensor] = []
+        h = self.layers_static(x, positions, slots, tree, cache, taps, seen)
+        return self.lm_head(h), torch.cat([h, *seen], -1) if taps else h
 
-    def layers_static(self, x: Tensor, positions: Tensor, slots: Tensor, tree: Tensor, cache: KVCache) -> Tensor:
+    def layers_static(self, x: Tensor, positions: Tensor, slots: Tensor, tree: Tensor, cache: KVCache,
+                      taps: tuple[int, ...] = (), seen: list[Tensor] | None = None) -> Tensor:
         """The layers and the final norm in static-shape mode (see forward_static) -> (1, T, dim)."""
         mask = static_mask(slots, tree, cache.k.shape[3])
         angles = positions[..., None, None].float() * self.inv_freq  # (1, T, 1, D/2)
         freqs = torch.stack([angles.cos(), angles.sin()], -1)  # (1, T, 1, D/2, 2)
-        for block in self.layers:
+        for i, block in enumerate(self.layers):
+            if i in taps:
+                seen.append(x)  # type: ignore[union-attr]
             x = block(x, freqs, cache, mask, slots)
         return self.norm(x)
 

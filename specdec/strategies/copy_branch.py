@@ -34,7 +34,7 @@ class CopyBranch:
     costs: dict[int, float]  # a pass over n tokens relative to one, n = 1 .. inner nodes + 1 + max_tokens
     # copy at temperature > 0 too: only under an exact acceptance rule. Medusa's typical acceptance takes
     # any token the target finds plausible enough, and offered a copy each step its sampled outputs looped
-    # (over twice the repeated 4-grams of plain sampling, experiments/README.md), so it gets the heads' tree alone.
+    # (experiments/README.md, "A copy branch in Medusa's tree"), so it gets the heads' tree alone.
     sampled: bool = True
     index: NGramIndex = field(init=False)
     # this turn's record per match length n: of the copies that reached depth i, how many had token i kept

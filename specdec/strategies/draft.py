@@ -102,7 +102,7 @@ def pick_two(logits: Tensor, token_ids: Tensor | None,
     """A drafter's first and second choices over its rows (V_d,) as target ids, with their probabilities."""
     if token_ids is None:
         logits = logits[:target_vocab]
-    if logits.device.type == "cpu":  # numpy: ~14 us against ~70 for torch's few small ops (a scratch timing)
+    if logits.device.type == "cpu":  # numpy: cheaper here than torch's few small ops (a scratch timing)
         x = logits.float().numpy()
         e = np.exp(x - x.max())  # (V_d,) unnormalised, 1 at the top
         first = int(e.argmax())
@@ -267,14 +267,14 @@ class CostAware(DraftSchedule):
     At temperature 0 it may also branch: the drafter's second choice at depth j, verified beside the
     chain token, adds one token when the target picks it, which happens with probability P(tokens
     1..j-1 accepted) x P(target picks the second choice), for v more cost and no draft step. So it is
-    added iff that beats R v, the second choice's odds calibrated like the chain's (teacher-forced on the
-    Spec-Bench-style file's greedy outputs, a scratch check, the second choice of both the previous and
-    the shipped draft was the target's token 10% of the time, against 28% and 31% for the first).
+    added iff that beats R v, the second choice's odds calibrated like the chain's (a scratch check found
+    the second choice the target's token far less often than the first; experiments/README.md, "Figures
+    moved out of code and configs").
     `siblings` caps the branches per round (0: chains only).
 
     Given an engine (`calibrate`, as the strategies do), v is not one slope but the marginal cost read
     off the target's pass-cost curve, measured at start-up: on a CPU a pass over 2 or 3 tokens costs
-    about what one does and each token after that ~0.07 more, so a second token or a sibling beside a
+    about what one does and each token after that a little more, so a second token or a sibling beside a
     one-token chain is nearly free while the fifth is not. The curve also turns each round's measured
     target time into a one-token step for c. Without an engine both come from the online fit.
     """
@@ -375,8 +375,9 @@ class CostAware(DraftSchedule):
 
     def _one_token_step(self, n: int, t: float) -> float:
         """The one-token step time implied by a target pass over n tokens that took t seconds: from the
-        measured pass-cost curve when there is one (it tied the fit below on both held-apart sets,
-        experiments/README.md), else from a fit t = a + b n over recent passes, which also updates
+        measured pass-cost curve when there is one (it tied the fit below on both held-apart sets;
+        experiments/README.md, "One call per pass, int8 drafter weights"), else from a fit t = a + b n
+        over recent passes, which also updates
         v = b / (a + b) (the prior v while n has not varied enough)."""
         if self.curve is not None:
             return t / self.pass_cost(n)

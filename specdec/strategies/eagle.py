@@ -61,10 +61,18 @@ class EagleProposer:
     pending: Tensor | None = None  # (n, D) target features of pairs fed.. not yet in the cache
     static: StaticStep | None = None  # the drafter's compiled static-shape step, when the target compiles
 
+    def features(self, out: ForwardOut) -> Tensor:
+        """What the drafter reads of a target pass, a row per fed token: the tapped layers' inputs for an
+        EAGLE-3 drafter (`target_layers`, the engine taps them), else the final-norm hidden states."""
+        if getattr(self.net, "target_layers", None):
+            assert out.taps is not None, "the target engine does not tap the drafter's layers"
+            return out.taps
+        return out.hidden
+
     def start(self, state: DecodeState, out: ForwardOut) -> None:
         self.cache.rollback(0)
         self.fed = 0
-        self.pending = out.hidden  # (P, D): h_0 .. h_{P-1}, the pairs' features up to the first new token
+        self.pending = self.features(out)  # (P, F): h_0 .. h_{P-1}, the pairs' features up to the first new token
 
     def _run(self, tokens: list[int] | Tensor, features: Tensor, start: int) -> tuple[Tensor, Tensor]:
         """Feed pairs at positions start..; the last one's logits (K,) and guessed next feature (D,).
@@ -108,7 +116,7 @@ class EagleProposer:
         self.cache.rollback(self.fed)  # forget pairs built on guessed features
         # the pass fed [root, drafts]; the root and the accepted drafts now have real features
         assert self.pending is not None
-        known = out.hidden[[0, *verdict.nodes]]  # (1 + accepted, D)
+        known = self.features(out)[[0, *verdict.nodes]]  # (1 + accepted, F)
         self.pending = torch.cat([self.pending, known])[:len(state.ids) - 1 - self.fed]
 
 
@@ -120,17 +128,25 @@ class EagleStrategy(SpeculativeStrategy):
         super().__init__(target, name, max_len, prefill_chunk)
         # a saved drafter is checked against the target and bound to it; a network is used as given
         self.net: EagleDraftNet = drafter.bind(target) if hasattr(drafter, "bind") else drafter  # type: ignore[assignment]
+        layers = getattr(self.net, "target_layers", None)
+        if layers:  # EAGLE-3 (heads/eagle3.py): the target's passes return those layers' inputs too
+            self.engine.use_taps(layers)
         # compiled with the target, on the torch path (a drafter on the CPU kernels stays eager)
         compiled = bool(getattr(target, "compile", False)) and getattr(self.net, "fused", None) is None
         self.cache = self.net.new_cache(max_len + (BUCKETS[-1] if compiled else 0))
         self.static = StaticStep(self.net, self.cache) if compiled else None  # type: ignore[arg-type]
-        if self.static is not None:
-            self.static.warm_up(features=torch.zeros(self.net.args.dim, device=self.net.device))
+        if self.static is not None:  # the drafter's own features, and EAGLE-3's target taps (fc's width)
+            widths = [self.net.args.dim] + ([self.net.fc.in_features] if layers else [])  # type: ignore[attr-defined]
+            for width in widths:
+                self.static.warm_up(features=torch.zeros(width, device=self.net.device))
         self.schedule = schedule if schedule is not None else Confidence(0.4, 3)
         self.schedule.calibrate(self.engine)
         self.last_proposer: EagleProposer | None = None
 
-    batchable = True  # through its own batched proposer (strategies/batched_eagle.py)
+    @property
+    def batchable(self) -> bool:  # type: ignore[override]
+        """Through its own batched proposer (strategies/batched_eagle.py); not yet with EAGLE-3's target taps."""
+        return not getattr(self.net, "target_layers", None)
 
     def batch_proposer(self, engine: BatchEngine) -> BatchProposer:
         """One drafter engine of `engine.batch` slots (eager, like the target's), its draft length chosen from

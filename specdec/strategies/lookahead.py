@@ -86,9 +86,9 @@ class LookaheadProposer:
     `text_pool` the prompt's (and the committed output's) n-grams of size `text_ngram`.
 
     Text n-grams are tried first: they come from text the model has read or written. With them as
-    context-ranked trigrams ahead of the window's bigrams, tau on held-apart prompts rose from 1.44
-    to 1.63 (configs/strategy/lookahead.yaml). Every pass verifies at most `verify_tokens` guess
-    nodes (default G * (N - 1)).
+    context-ranked trigrams ahead of the window's bigrams, tau on held-apart prompts rose
+    (experiments/README.md, "Figures moved out of code and configs"). Every pass verifies at most
+    `verify_tokens` guess nodes (default G * (N - 1)).
     """
 
     TEXT_CAPACITY = 32  # text occurrences kept per first token: enough to find one with the same context

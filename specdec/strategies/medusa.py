@@ -50,9 +50,9 @@ from specdec.trees import paths_to_parents
 from specdec.verify import Proposal, Verdict, verify_typical
 
 # A hand-made tree of 10 nodes for 4 heads, wide where the heads are surest (shallow, low ranks).
-# Small on purpose: on 2 CPU cores a pass over 8 tokens costs ~1.4 single-token passes and one over
-# 16 ~1.9, so beyond ~10 nodes extra guesses cost more than they are expected to save
-# (python -m heads.tree_tuning measures this for trained heads).
+# Small on purpose: on a CPU a pass costs more the more tokens it feeds, so past about this many nodes
+# extra guesses cost more than they are expected to save (python -m heads.tree_tuning measures this for
+# trained heads; experiments/README.md, "Figures moved out of code and configs").
 DEFAULT_TREE: tuple[tuple[int, ...], ...] = (
     (0,), (1,), (2,),
     (0, 0), (0, 1), (1, 0),

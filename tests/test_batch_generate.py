@@ -1,0 +1,72 @@
+"""heads.batch_generate: continuous batching on the CPU kernels gives what the padded batches give."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+
+import numpy as np
+import pytest
+import torch
+from torch import Tensor
+
+from heads.batch_generate import _generate_batch, continuous, generate_with_hidden
+from heads.contamination import HELDAPART_DIR, evaluation_turns
+from specdec.models import cpu_kernels
+from specdec.models.loader import LoadedModel
+
+needs_numba = pytest.mark.skipif(not cpu_kernels.available(), reason="needs numba")
+
+
+def prompts(n: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(0)
+    return [torch.randint(3, 500, (int(torch.randint(3, 20, (1,), generator=g)),), generator=g).tolist()
+            for _ in range(n)]
+
+
+@needs_numba
+def test_continuous_slots_equal_the_padded_batch_tokens_and_hidden_states(
+        load_tiny: Callable[..., LoadedModel]) -> None:
+    target = load_tiny("llama", matmul="numba")
+    ps = prompts(7)
+    whole = _generate_batch(target, ps, 12)
+    stop = {whole[3].continuation[5]}  # a token from the middle of one answer: some end early, slots refill
+    target.eos_ids = tuple(stop)  # type: ignore[misc]
+    try:
+        padded = _generate_batch(target, ps, 12)
+        slotted = continuous(target, ps, 12, slots=3, stop=stop)
+        via_dispatch = generate_with_hidden(target, ps, 12, batch_size=3)
+    finally:
+        target.eos_ids = ()  # type: ignore[misc]
+    assert len({len(g.continuation) for g in padded}) > 1
+    assert [g.continuation for g in slotted] == [g.continuation for g in padded]
+    assert [g.continuation for g in via_dispatch] == [g.continuation for g in padded]
+    for a, b, p in zip(slotted, padded, ps):
+        assert a.hidden.shape == b.hidden.shape == (len(p) + len(a.continuation), target.model.args.dim)
+        np.testing.assert_allclose(a.hidden.astype(np.float32), b.hidden.astype(np.float32), atol=2e-2)
+
+
+@needs_numba
+def test_seeded_sampling_does_not_depend_on_the_number_of_slots(load_tiny: Callable[..., LoadedModel]) -> None:
+    target = load_tiny("llama", matmul="numba")
+    ps = prompts(6)
+
+    def run(slots: int, seed: int) -> list[list[int]]:
+        gens = [torch.Generator().manual_seed(seed * 100 + i) for i in range(len(ps))]
+
+        def pick(i: int, logits: Tensor) -> int:
+            return int(torch.multinomial(torch.softmax(logits, -1), 1, generator=gens[i]))
+
+        return [g.continuation for g in continuous(target, ps, 10, slots, stop=set(), pick=pick)]
+
+    assert run(2, 1) == run(5, 1)
+    assert run(2, 1) != run(2, 2)
+
+
+def test_held_apart_questions_count_as_never_to_be_trained_on() -> None:
+    files = sorted(HELDAPART_DIR.glob("*.jsonl"))
+    assert files, "experiments/heldapart/ holds the committed held-apart questions"
+    turns = {t.text for t in evaluation_turns()}
+    for f in files:
+        first = json.loads(f.read_text().splitlines()[0])["turns"][0]
+        assert first in turns, f.name
