@@ -45,9 +45,8 @@ def write_card(out_dir: Path, name: str, model: str, meta: dict[str, Any], argv:
         f"- Date: {meta.get('date')}; commit {git_commit() or 'unknown'}",
         f"- Machine: {machine()}",
         f"- Data: {meta.get('sequences')} training sequences, {meta.get('target_tokens')} target tokens "
-        f"(prompts: offline suite, {data.get('per_category')} per category for seeds {data.get('seeds')}, "
-        f"plus up to {data.get('instructions', 0)} general chat instructions from heads/instruction_prompts.py, "
-        f"benchmark prompts excluded; continuations of {data.get('max_new_tokens')} tokens, generated in "
+        f"(prompts: {_prompts(data, meta.get('prompt_sources'))}; continuations of {data.get('max_new_tokens')} "
+        "tokens, generated in "
         f"{meta.get('data_dtype', 'fp32')} in {_fmt(meta.get('data_minutes'))} min, "
         f"budget {data.get('max_minutes')} min)",
         f"- Training: {meta.get('steps')} steps, {_fmt(meta.get('epochs'))} epochs, {_fmt(meta.get('minutes'))} min "
@@ -60,5 +59,23 @@ def write_card(out_dir: Path, name: str, model: str, meta: dict[str, Any], argv:
         lines += [f"## Held-out validation ({train.get('val_fraction')} of the sequences)", "",
                   "| metric | value |", "|---|---|", *(f"| {k} | {_fmt(v)} |" for k, v in val.items()), ""]
     path = out_dir / CARD
-    path.write_text("\n".join(lines))
+    path.write_text("\n".join(lines).replace("budget None min", "no time limit"))
     return path
+
+
+def _prompts(data: dict[str, Any], sources: list[dict[str, Any]] | None) -> str:
+    """Where the prompts came from: each data.source entry (heads/data_mix.py's account), else the built-in ones."""
+    builtin = (f"offline suite, {data.get('per_category')} per category for seeds {data.get('seeds')}, plus up to "
+               f"{data.get('instructions', 0)} general chat instructions from heads/instruction_prompts.py, "
+               "benchmark prompts excluded")
+    if not sources:
+        return builtin
+    parts = []
+    for s in sources:
+        if s["source"] == "builtin":
+            parts.append(f"built-in ({builtin}): {s['sequences']} sequences")
+        else:
+            parts.append(f"data.source={s['source']} (split {s['split']}, turns {s['turns']}), {s['kept']} prompts "
+                         f"from {s['rows']} rows, {s['contaminated']} dropped for sharing a 13-word n-gram with "
+                         f"evaluation questions: {s['sequences']} sequences")
+    return "; ".join(parts)

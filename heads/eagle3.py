@@ -24,7 +24,7 @@ import torch
 from torch import Tensor, nn
 
 from specdec.engine.kv_cache import KVCache
-from specdec.models.llama import MLP, Attention, LlamaArgs, RMSNorm, rope_inv_freq, static_mask
+from specdec.models.llama import MLP, Attention, LlamaArgs, NormPlaced, RMSNorm, rope_inv_freq, static_mask
 
 
 def default_layers(n_layers: int) -> tuple[int, int, int]:
@@ -32,7 +32,7 @@ def default_layers(n_layers: int) -> tuple[int, int, int]:
     return 2, n_layers // 2, n_layers - 3
 
 
-class Eagle3Net(nn.Module):
+class Eagle3Net(NormPlaced):  # one layer: args.n_layers == 1
     """(token x_{t+1}, feature) pairs -> draft-vocabulary logits (B, T, K) and guessed features (B, T, D).
 
     args: the drafter's shape (dim D, heads, MLP width; vocab_size = the target's, which `embed` covers).
@@ -60,18 +60,6 @@ class Eagle3Net(nn.Module):
         self.lm_head = nn.Linear(D, draft_vocab, bias=False)
         self.register_buffer("inv_freq", rope_inv_freq(self.args), persistent=False)
         self.token_ids: Tensor | None = None  # (K,) target id of each lm_head row; None: rows are target ids
-
-    @property
-    def device(self) -> torch.device:
-        return self.norm.weight.device
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.norm.weight.dtype
-
-    def new_cache(self, max_len: int, batch: int = 1) -> KVCache:
-        a = self.args
-        return KVCache(1, batch, a.n_kv_heads, max_len, a.head_dim, self.dtype, self.device)
 
     def fuse(self, features: Tensor) -> Tensor:
         """(..., 3 D_t) target taps -> fc -> (..., D); (..., D) the drafter's own output, as it is."""

@@ -399,19 +399,6 @@ def make_accelerator(t: DictConfig) -> Any:
                            f"{' '.join(str(e).split())[:200]}") from None
 
 
-def _amend_card(card: Path, meta: dict[str, Any]) -> None:
-    """What heads/card.py does not say: a prompt source replacing the built-in prompts its data line
-    describes, and a budget of null meaning no time limit."""
-    text = card.read_text().replace("budget None min", "no time limit")
-    ps = meta.get("prompt_source")
-    if ps is not None:
-        text = text.replace("\n- Training:", (
-            f"\n- Prompts: replaced by data.source={ps['source']} (split {ps['split']}, turns {ps['turns']}): "
-            f"{ps['kept']} prompts from {ps['rows']} rows, {ps['contaminated']} dropped for sharing a 13-word "
-            "n-gram with evaluation questions\n- Training:"), 1)
-    card.write_text(text)
-
-
 def _num(v: float | None) -> str:
     return "n/a" if v is None else f"{v:.4g}"
 
@@ -447,8 +434,7 @@ def evaluate(trainable: Trainable, module: nn.Module, target: LoadedModel, loade
 
 def train(cfg: DictConfig) -> dict[str, Any]:
     """Build the data, train `cfg.head` on it within the budget, save the artifact; returns its metadata."""
-    from heads.distill_data import build_distill_dataset
-    from heads.prompt_sources import source_prompts
+    from heads.data_mix import BUILTIN, build_mix, source_list
 
     t = cfg.train
     # Stopping: max_steps, when set, replaces the epoch count; max_minutes (null: no time limit) stops
@@ -491,16 +477,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         generator = target if gen_dtype == str(cfg.model.dtype) else instantiate(
             cfg.model, device=str(accelerator.device), dtype=gen_dtype, matmul="torch")
         gen_dtype = DTYPE_NAMES[generator.dtype]  # `auto` resolved, for the card
-        prompts, prompt_stats = None, None
-        if source_cfg.get("source") is not None:
-            prompts, prompt_stats = source_prompts(
-                str(source_cfg["source"]), split=str(source_cfg.get("split") or "train"),
-                subset=source_cfg.get("subset"), field=source_cfg.get("field"),
-                turns=str(source_cfg.get("turns") or "first"), max_prompts=data_cfg.get("max_prompts"),
-                shuffle=bool(source_cfg.get("shuffle", True)),
-                exclude_per_category=int(data_cfg["exclude_per_category"]), exclude_seed=int(data_cfg["exclude_seed"]),
-                log=say)
-        distill = build_distill_dataset(generator, **data_cfg, log=say, prompts=prompts)
+        distill, sources = build_mix(generator, source_list(source_cfg.get("source")), source_cfg, data_cfg, say)
         del generator
         data, store = distill.data, None
         if trainable.needs_hidden and distill.hidden is not None:
@@ -634,13 +611,12 @@ def train(cfg: DictConfig) -> dict[str, Any]:
             "sequences": len(train_data), "target_tokens": tokens, "data_minutes": distill.minutes,
             "data_dtype": gen_dtype, "mixed_precision": accelerator.mixed_precision, "grad_accum": accum,
             "date": time.strftime("%Y-%m-%d %H:%M:%S"), "config": config} | val
-    if prompt_stats is not None:
-        meta["prompt_source"] = {"source": str(source_cfg["source"]), "split": source_cfg.get("split"),
-                                 "turns": source_cfg.get("turns")} | asdict(prompt_stats)
+    if [a["source"] for a in sources] != [BUILTIN]:
+        meta["prompt_sources"] = sources
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         trainable.save(accelerator.unwrap_model(module), out_dir, meta)
-        _amend_card(write_card(out_dir, trainable.name, target.name, meta), meta)
+        write_card(out_dir, trainable.name, target.name, meta)
         log_checkpoint = getattr(logger, "log_checkpoint", None)  # W&B: the artifact folder as a `model` artifact
         if log_checkpoint is not None:
             log_checkpoint(out_dir, metadata={k: v for k, v in meta.items() if k != "config"})

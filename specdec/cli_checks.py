@@ -48,7 +48,8 @@ ENTRIES = "strategy_configs"  # the config node holding the entries (see the mod
 # a run that names one elsewhere is told where it went. A test keeps this in step with the presets.
 PRESET_STRATEGIES = {"draft_heuristic": "draft_schedules", "draft_confidence": "draft_schedules",
                      "draft_cost_aware": "draft_schedules", "draft_sitout": "draft_schedules",
-                     "greedy_full": "prefix_cache", "eagle_candidate": "heldapart"}
+                     "greedy_full": "prefix_cache", "draft_candidate": "heldapart", "medusa_candidate": "heldapart",
+                     "hydra_candidate": "heldapart", "eagle_candidate": "heldapart"}
 SLURM_EXTRA = "pip install 'specdec[slurm]'"
 _NAME = r"[A-Za-z_][\w\-]*"
 _SHORTHAND = re.compile(rf"(?P<prefix>[+~]*)(?:strategies|{ENTRIES})\.(?P<name>{_NAME})(?P<rest>\..+)")
@@ -160,26 +161,13 @@ def preset_entries(argv: Sequence[str]) -> set[str]:
     """The entry names that the experiment preset selected on the command line defines (its
     `strategy_configs`), as Hydra composes it; none without one, for a sweep over presets, or where it
     does not compose (Hydra reports that itself)."""
-    from hydra import compose, initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
-    from hydra.initialize import get_gh_backup, restore_gh_from_backup
-
     chosen = [a.partition("=")[2] for a in argv if a.partition("=")[0].lstrip("+") == "experiment"]
     if not chosen or not chosen[-1] or chosen[-1] == "null" or "," in chosen[-1]:
         return set()
-    overrides = [f"experiment={chosen[-1]}"]
-    searchpath = argv_searchpath(argv)
-    if searchpath:
-        overrides.append("hydra.searchpath=[" + ",".join(_quoted(str(p)) for p in searchpath) + "]")
-    backup = get_gh_backup()
-    GlobalHydra.instance().clear()
     try:
-        with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base=None):
-            node = compose("run", overrides=overrides).get(ENTRIES)
+        node = _compose_aside([f"experiment={chosen[-1]}"], argv_searchpath(argv), "run").get(ENTRIES)
     except Exception:  # a bad preset is Hydra's to report, with its own message
         return set()
-    finally:
-        restore_gh_from_backup(backup)
     return {str(k) for k in node} if isinstance(node, DictConfig) else set()
 
 
@@ -362,31 +350,38 @@ def _quoted(text: str) -> str:
     return "'" + text.replace("\\", "\\\\").replace("'", "\\'") + "'"
 
 
+def _compose_aside(overrides: list[str], searchpath: Sequence[str], config_name: str | None = None) -> DictConfig:
+    """Compose from CONFIG_DIR (+ `searchpath`) beside whatever Hydra app is running: the global Hydra
+    state is cleared for the compose and put back afterwards, whether or not it raised."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.initialize import get_gh_backup, restore_gh_from_backup
+
+    if searchpath:
+        overrides = [*overrides, "hydra.searchpath=[" + ",".join(_quoted(str(p)) for p in searchpath) + "]"]
+    backup = get_gh_backup()
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base=None):
+            return compose(config_name, overrides=overrides)
+    finally:
+        restore_gh_from_backup(backup)
+
+
 def group_config(group: str, name: str, searchpath: Sequence[str] = ()) -> DictConfig:
     """GROUP/NAME.yaml as Hydra composes it on its own (its defaults list included, e.g.
     `defaults: [medusa, _self_]`), from CONFIG_DIR and the folders on `searchpath`. Interpolations are
     left for the caller to resolve against the run's config. Safe inside a running Hydra app: the global
     Hydra state is put back afterwards."""
-    from hydra import compose, initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
     from hydra.errors import MissingConfigException
-    from hydra.initialize import get_gh_backup, restore_gh_from_backup
 
-    overrides = [f"+{group}={name}"]
-    if searchpath:
-        overrides.append("hydra.searchpath=[" + ",".join(_quoted(str(p)) for p in searchpath) + "]")
-    backup = get_gh_backup()
-    GlobalHydra.instance().clear()
     try:
-        with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base=None):
-            composed = compose(overrides=overrides)
+        composed = _compose_aside([f"+{group}={name}"], searchpath)
     except MissingConfigException:
         raise _unknown(group, name, searchpath) from None
     except Exception as e:
         detail = _one_line(e)[:300]
         raise SpecdecError(f"{group}/{name}.yaml does not compose ({detail}); fix that file") from None
-    finally:
-        restore_gh_from_backup(backup)
     node = composed.get(group)
     if not isinstance(node, DictConfig):
         raise SpecdecError(f"{group}/{name}.yaml holds no config under '{group}'; give it keys such as _target_")

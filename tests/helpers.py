@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import json
+import math
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import torch
 from omegaconf import OmegaConf
+from safetensors.torch import save_file
 from torch import Tensor
 
 from specdec.cli_checks import CONFIG_DIR
@@ -191,3 +195,49 @@ def save_random_eagle(target: LoadedModel, folder: Any) -> Any:
         module.net.fc.weight.mul_(8)
     trainable.save(module, folder, {"steps": 0})
     return folder
+
+
+# --------------------------------------------------------------------------------------------------
+# Published checkpoints written out by hand: the pieces the EAGLE-1 and EAGLE-3 references share
+# --------------------------------------------------------------------------------------------------
+
+
+def rand(*shape: int, seed: int, scale: float = 1.0) -> Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)) * scale
+
+
+def write_checkpoint(out: Path, state: dict[str, Tensor], config: dict[str, Any], file: str) -> None:
+    """A folder as the published trainers leave it: weights (safetensors, or a pickled state dict) + config.json."""
+    out.mkdir(parents=True, exist_ok=True)
+    if file.endswith(".safetensors"):
+        save_file(state, str(out / file))
+    else:
+        torch.save(state, out / file)
+    (out / "config.json").write_text(json.dumps(config))
+
+
+def rms(x: Tensor, w: Tensor, eps: float) -> Tensor:
+    return w * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+
+
+def reference_attention(x: Tensor, st: dict[str, Tensor], prefix: str, heads: int, kv_heads: int,
+                        theta: float) -> Tensor:
+    """Llama self-attention over one sequence from position 0, causal, no cache: x (T, E) -> (T, H*hd),
+    before o_proj. Weights are read from `st` under `prefix` (q/k/v_proj)."""
+    T = x.shape[0]
+    hd = st[prefix + "q_proj.weight"].shape[0] // heads
+    inv = 1.0 / (theta ** (torch.arange(0, hd, 2, dtype=torch.float64) / hd))
+    ang = (torch.arange(T, dtype=torch.float64)[:, None] * inv[None]).float()
+    cos, sin = torch.cat([ang, ang], -1).cos()[:, None], torch.cat([ang, ang], -1).sin()[:, None]  # (T, 1, hd)
+
+    def rope(t: Tensor) -> Tensor:
+        a, b = t.chunk(2, dim=-1)
+        return t * cos + torch.cat([-b, a], -1) * sin
+
+    q = rope((x @ st[prefix + "q_proj.weight"].t()).view(T, heads, hd))  # (T, H, hd)
+    k = rope((x @ st[prefix + "k_proj.weight"].t()).view(T, kv_heads, hd))  # (T, KV, hd)
+    v = (x @ st[prefix + "v_proj.weight"].t()).view(T, kv_heads, hd)
+    k, v = k.repeat_interleave(heads // kv_heads, 1), v.repeat_interleave(heads // kv_heads, 1)
+    att = torch.einsum("thd,shd->hts", q, k) / math.sqrt(hd)
+    att = att.masked_fill(~torch.ones(T, T, dtype=torch.bool).tril(), float("-inf")).softmax(-1)
+    return torch.einsum("hts,shd->thd", att, v).reshape(T, heads * hd)

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import assert_draws_follow, assert_kv_matches_fresh
+from helpers import assert_draws_follow, assert_kv_matches_fresh, rand, reference_attention, rms, write_checkpoint
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 from safetensors.torch import save_file
@@ -48,10 +48,6 @@ PROMPT = [1, 17, 40, 99, 23, 17, 40, 99, 23, 5]
 def deep() -> LoadedModel:
     return load_model("tiny-llama", "builtin:tiny-llama", matmul="torch", compile=False,
                       tiny={"num_hidden_layers": 8})
-
-
-def rand(*shape: int, seed: int, scale: float = 1.0) -> Tensor:
-    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)) * scale
 
 
 def eagle3_checkpoint(out: Path, target: LoadedModel, D: int = 64, file: str = "model.safetensors",
@@ -87,47 +83,23 @@ def eagle3_checkpoint(out: Path, target: LoadedModel, D: int = 64, file: str = "
     if D != tD:
         cfg["target_hidden_size"] = tD
     cfg |= extra or {}
-    out.mkdir(parents=True, exist_ok=True)
-    if file.endswith(".safetensors"):
-        save_file(st, str(out / file))
-    else:
-        torch.save(st, out / file)
-    (out / "config.json").write_text(json.dumps(cfg))
+    write_checkpoint(out, st, cfg, file)
     return cfg, st
-
-
-def _rms(x: Tensor, w: Tensor, eps: float) -> Tensor:
-    return w * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
-
-
-def _rotate_half(x: Tensor) -> Tensor:
-    a, b = x.chunk(2, dim=-1)
-    return torch.cat([-b, a], -1)
 
 
 def eagle3_reference(cfg: dict[str, Any], st: dict[str, Tensor], embed: Tensor, ids: Tensor,
                      g: Tensor) -> tuple[Tensor, Tensor]:
     """EAGLE-3's midlayer written out over one sequence from position 0: ids (T,), the pairs' fused features
     g (T, D) -> draft-vocabulary logits (T, K) and pre-norm outputs (T, D)."""
-    D, H, KV, eps = cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["rms_norm_eps"]
-    hd, T, m = D // H, len(ids), "midlayer."
-    x = torch.cat([_rms(embed[ids], st[m + "input_layernorm.weight"], eps),
-                   _rms(g, st[m + "hidden_norm.weight"], eps)], -1)  # (T, 2D): the embedding first
-    inv = 1.0 / (cfg["rope_theta"] ** (torch.arange(0, hd, 2, dtype=torch.float64) / hd))
-    ang = (torch.arange(T, dtype=torch.float64)[:, None] * inv[None]).float()
-    cos, sin = torch.cat([ang, ang], -1).cos()[:, None], torch.cat([ang, ang], -1).sin()[:, None]  # (T, 1, hd)
-    q = (x @ st[m + "self_attn.q_proj.weight"].t()).view(T, H, hd)
-    k = (x @ st[m + "self_attn.k_proj.weight"].t()).view(T, KV, hd)
-    v = (x @ st[m + "self_attn.v_proj.weight"].t()).view(T, KV, hd)
-    q, k = q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
-    k, v = k.repeat_interleave(H // KV, 1), v.repeat_interleave(H // KV, 1)
-    att = torch.einsum("thd,shd->hts", q, k) / math.sqrt(hd)
-    att = att.masked_fill(~torch.ones(T, T, dtype=torch.bool).tril(), float("-inf")).softmax(-1)
-    h = g + torch.einsum("hts,shd->thd", att, v).reshape(T, H * hd) @ st[m + "self_attn.o_proj.weight"].t()
-    u = _rms(h, st[m + "post_attention_layernorm.weight"], eps)
+    H, KV, eps, m = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["rms_norm_eps"], "midlayer."
+    x = torch.cat([rms(embed[ids], st[m + "input_layernorm.weight"], eps),
+                   rms(g, st[m + "hidden_norm.weight"], eps)], -1)  # (T, 2D): the embedding first
+    o = reference_attention(x, st, m + "self_attn.", H, KV, cfg["rope_theta"])
+    h = g + o @ st[m + "self_attn.o_proj.weight"].t()
+    u = rms(h, st[m + "post_attention_layernorm.weight"], eps)
     h = h + (F.silu(u @ st[m + "mlp.gate_proj.weight"].t()) * (u @ st[m + "mlp.up_proj.weight"].t())) @ \
         st[m + "mlp.down_proj.weight"].t()
-    return _rms(h, st["norm.weight"], eps) @ st["lm_head.weight"].t(), h
+    return rms(h, st["norm.weight"], eps) @ st["lm_head.weight"].t(), h
 
 
 def taps_of(target: LoadedModel, ids: list[int], layers: tuple[int, ...]) -> Tensor:

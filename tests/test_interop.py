@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import rand, reference_attention, rms, write_checkpoint
 from omegaconf import OmegaConf
 from safetensors.torch import load_file, save_file
 from torch import Tensor
@@ -35,10 +36,6 @@ REPO = Path(__file__).resolve().parent.parent
 PROMPT = [1, 17, 40, 99, 23, 17, 40, 99, 23, 5]
 
 
-def rand(*shape: int, seed: int, scale: float = 1.0) -> Tensor:
-    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)) * scale
-
-
 def greedy_ids(target: LoadedModel, prompt: list[int], n: int) -> list[int]:
     return Greedy(target, "greedy", 512, 64).generate(prompt, GenerationParams(n), 0).output_ids
 
@@ -60,14 +57,9 @@ def fasterdecoding_folder(out: Path, target: LoadedModel, heads: int = 3, layers
             state[f"{prefix}{i}.{j}.linear.bias"] = rand(D, seed=100 + 10 * i + j, scale=0.1)
         base = head_weight(target).float().clone()
         state[f"{prefix}{i}.{layers}.weight"] = base + rand(*base.shape, seed=200 + i, scale=0.05) if own else base
-    out.mkdir(parents=True, exist_ok=True)
-    if file.endswith(".safetensors"):
-        save_file(state, str(out / file))
-    else:
-        torch.save(state, out / file)
     body = {"medusa_num_heads": heads, "medusa_num_layers": layers, "base_model_name_or_path": "tiny-llama",
             "transformers_version": "4.35.0"} | (config or {})
-    (out / "config.json").write_text(json.dumps(body))
+    write_checkpoint(out, state, body, file)
     return {k.removeprefix(prefix): v for k, v in state.items()}
 
 
@@ -268,47 +260,21 @@ def eagle_folder(out: Path, target: LoadedModel, layers: int, bias: bool, file: 
         st[p + "post_attention_layernorm.weight"] = 1 + rand(D, seed=90 + i, scale=0.1)
     if own_embed:
         st["embed_tokens.weight"] = rand(V, D, seed=5, scale=0.5)
-    out.mkdir(parents=True, exist_ok=True)
-    if file.endswith(".safetensors"):
-        save_file(st, str(out / file))
-    else:
-        torch.save(st, out / file)
-    (out / "config.json").write_text(json.dumps(cfg))
+    write_checkpoint(out, st, cfg, file)
     return cfg, st
-
-
-def _rms(x: Tensor, w: Tensor, eps: float) -> Tensor:
-    return w * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
-
-
-def _rotate_half(x: Tensor) -> Tensor:
-    a, b = x.chunk(2, dim=-1)
-    return torch.cat([-b, a], -1)
 
 
 def eagle1_reference(cfg: dict[str, Any], st: dict[str, Tensor], embed: Tensor, head: Tensor, ids: Tensor,
                      feats: Tensor) -> tuple[Tensor, Tensor]:
     """EAGLE-1's drafter written out over one sequence: ids (T,), feats (T, D) -> logits (T, V), features (T, D)."""
-    D, H, KV = cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
-    hd, eps, T = D // H, cfg["rms_norm_eps"], len(ids)
+    H, KV, eps = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["rms_norm_eps"]
     x = F.linear(torch.cat([embed[ids], feats], -1), st["fc.weight"], st.get("fc.bias"))
-    inv = 1.0 / (cfg["rope_theta"] ** (torch.arange(0, hd, 2, dtype=torch.float64) / hd))
-    ang = (torch.arange(T, dtype=torch.float64)[:, None] * inv[None]).float()
-    cos, sin = torch.cat([ang, ang], -1).cos()[:, None], torch.cat([ang, ang], -1).sin()[:, None]  # (T, 1, hd)
-    causal = torch.ones(T, T, dtype=torch.bool).tril()
     for i in range(cfg["num_hidden_layers"]):
         p = f"layers.{i}."
-        h = x if i == 0 else _rms(x, st[p + "input_layernorm.weight"], eps)  # EAGLE: no norm before layer 0
-        q = (h @ st[p + "self_attn.q_proj.weight"].t()).view(T, H, hd)
-        k = (h @ st[p + "self_attn.k_proj.weight"].t()).view(T, KV, hd)
-        v = (h @ st[p + "self_attn.v_proj.weight"].t()).view(T, KV, hd)
-        q, k = q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
-        k, v = k.repeat_interleave(H // KV, 1), v.repeat_interleave(H // KV, 1)
-        att = torch.einsum("thd,shd->hts", q, k) / math.sqrt(hd)
-        att = att.masked_fill(~causal, float("-inf")).softmax(-1)
-        o = torch.einsum("hts,shd->thd", att, v).reshape(T, H * hd)
+        h = x if i == 0 else rms(x, st[p + "input_layernorm.weight"], eps)  # EAGLE: no norm before layer 0
+        o = reference_attention(h, st, p + "self_attn.", H, KV, cfg["rope_theta"])
         x = x + o @ st[p + "self_attn.o_proj.weight"].t()
-        h = _rms(x, st[p + "post_attention_layernorm.weight"], eps)
+        h = rms(x, st[p + "post_attention_layernorm.weight"], eps)
         gate, up = h @ st[p + "mlp.gate_proj.weight"].t(), h @ st[p + "mlp.up_proj.weight"].t()
         x = x + (F.silu(gate) * up) @ st[p + "mlp.down_proj.weight"].t()
     return x @ head.t(), x  # no final norm: the last layer's output is the guessed feature
@@ -442,9 +408,7 @@ def eagle3_folder(out: Path, V: int = 512, D: int = 64, draft_vocab: int = 100) 
     cfg = {"architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "hidden_size": D,
            "intermediate_size": FF, "num_attention_heads": H, "num_key_value_heads": KV, "num_hidden_layers": 1,
            "vocab_size": V, "draft_vocab_size": draft_vocab, "target_hidden_size": D, "rms_norm_eps": 1e-6}
-    out.mkdir(parents=True, exist_ok=True)
-    save_file(st, str(out / "model.safetensors"))
-    (out / "config.json").write_text(json.dumps(cfg))
+    write_checkpoint(out, st, cfg, "model.safetensors")
     return kept
 
 

@@ -10,12 +10,14 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 from helpers import tiny_train_overrides
 from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig
 
 from heads.contamination import evaluation_turns
+from heads.data_mix import build_mix, source_list
 from heads.prompt_sources import (
     PromptStats,
     conversation,
@@ -192,9 +194,11 @@ def test_training_on_a_sharegpt_file_uses_its_prompts_through_the_chat_template(
     out, data_dir = tmp_path / "draft", tmp_path / "cache"
     meta = train(config(out, data_dir, f"data.source={path}", "data.turns=all", "train.max_steps=2"))
     assert meta["steps"] == 2 and meta["sequences"] == 12  # 6 rows x 2 user turns, the contaminated row dropped
-    assert meta["prompt_source"]["contaminated"] == 1 and meta["prompt_source"]["kept"] == 12
+    [account] = meta["prompt_sources"]
+    assert account["contaminated"] == 1 and account["kept"] == 12
     card = (out / "README.md").read_text()
-    assert f"- Prompts: replaced by data.source={path}" in card and "1 dropped for sharing" in card
+    assert f"(prompts: data.source={path} (split train, turns all), 12 prompts" in card
+    assert "1 dropped for sharing" in card and "offline suite" not in card
     # the generated sequences start with the conversations through the target's chat template
     chunks = sorted(p for p in data_dir.rglob("chunk-*") if p.is_dir())
     data = datasets.concatenate_datasets([datasets.load_from_disk(str(p)) for p in chunks])
@@ -216,7 +220,43 @@ def test_the_default_prompts_never_touch_datasets_loaders(tmp_path: Path, data_d
     monkeypatch.setattr(datasets, "load_dataset", refuse)
     monkeypatch.setattr(heads.prompt_sources, "load_rows", refuse)
     meta = train(config(tmp_path / "builtin", data_dir, "train.max_steps=1"))
-    assert meta["steps"] == 1 and "prompt_source" not in meta
+    assert meta["steps"] == 1 and "prompt_sources" not in meta
+
+
+def test_a_mix_joins_each_sources_own_cached_set(tmp_path: Path, tiny_target: LoadedModel) -> None:
+    cache = tmp_path / "cache"
+    path = write_jsonl(tmp_path / "chat.jsonl", [sharegpt(f"Name a colour, number {i}.", "Red.") for i in range(3)])
+    data_cfg = {"per_category": 1, "seeds": (1,), "exclude_per_category": 20, "exclude_seed": 0, "max_prompts": None,
+                "instructions": 0, "max_new_tokens": 6, "batch_size": 4, "chunk_batches": 1, "max_minutes": None,
+                "torch_threads": 1, "cache_dir": str(cache)}
+    src = {"split": "train", "turns": "first", "shuffle": False}
+    alone = [build_mix(tiny_target, [s], src, data_cfg, log=lambda _: None)[0] for s in ("builtin", str(path))]
+    chunks = sorted(cache.rglob("chunk-*"))
+    mix, accounts = build_mix(tiny_target, ["builtin", str(path)], src, data_cfg, log=lambda _: None)
+    assert sorted(cache.rglob("chunk-*")) == chunks  # nothing generated again: each source's cache is reused
+    assert [a["source"] for a in accounts] == ["builtin", str(path)] and accounts[1]["kept"] == 3
+    assert [a["sequences"] for a in accounts] == [len(a.data) for a in alone]
+    assert list(mix.data["input_ids"]) == list(alone[0].data["input_ids"]) + list(alone[1].data["input_ids"])
+    assert mix.hidden is not None
+    n0 = len(alone[0].data)
+    for j, (ids, start) in enumerate(zip(mix.data["input_ids"], mix.data["hidden_start"])):
+        own, k = (alone[0], j) if j < n0 else (alone[1], j - n0)
+        assert own.hidden is not None
+        s0 = own.data["hidden_start"][k]
+        assert np.array_equal(mix.hidden[start:start + len(ids)], own.hidden[s0:s0 + len(ids)])
+    with pytest.raises(SpecdecError, match="lists no source or one twice"):
+        source_list(["builtin", "builtin"])
+    assert source_list(None) == ["builtin"] and source_list("a.jsonl") == ["a.jsonl"]
+
+
+def test_training_on_a_mix_names_every_source_on_the_card(tmp_path: Path, data_dir: Path) -> None:
+    path = write_jsonl(tmp_path / "chat.jsonl", [openai(f"Count to {i}.") for i in range(2, 5)])
+    out = tmp_path / "draft"
+    meta = train(config(out, data_dir, f"data.source=[builtin,{path}]", "train.max_steps=1"))
+    assert [a["source"] for a in meta["prompt_sources"]] == ["builtin", str(path)]
+    assert meta["sequences"] == sum(a["sequences"] for a in meta["prompt_sources"])
+    card = (out / "README.md").read_text()
+    assert "built-in (offline suite" in card and f"; data.source={path} (split train, turns first), 3 prompts" in card
 
 
 def test_presets_set_the_source() -> None:

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -172,8 +172,21 @@ def eagle3_target_layers(config: dict[str, Any], n_layers: int, where: Path | st
     return tuple(sorted(layers))
 
 
+class _BuiltOncePerTarget:
+    """`bind(target)` builds the drafter for `target` on first use and hands back the same one after."""
+
+    def bind(self, target: LoadedModel) -> Any:
+        bound: dict[int, Any] = self.__dict__.setdefault("_bound", {})
+        if id(target) not in bound:
+            bound[id(target)] = self.build(target)
+        return bound[id(target)]
+
+    def build(self, target: LoadedModel) -> Any:
+        raise NotImplementedError
+
+
 @dataclass
-class PublishedEagle3:
+class PublishedEagle3(_BuiltOncePerTarget):
     """An EAGLE-3 drafter read from its published layout; `bind(target)` builds it (once per target) as a
     heads.eagle3.Eagle3Net, what `strategy=eagle3`'s `drafter` must provide."""
 
@@ -181,13 +194,6 @@ class PublishedEagle3:
     config: dict[str, Any]
     state: dict[str, Tensor]
     layout: Eagle3Layout
-    _bound: dict[int, Any] = field(default_factory=dict, repr=False)
-
-    def bind(self, target: LoadedModel) -> Any:
-        key = id(target)
-        if key not in self._bound:
-            self._bound[key] = self.build(target)
-        return self._bound[key]
 
     def build(self, target: LoadedModel) -> Any:
         from heads.eagle3 import Eagle3Net
@@ -255,7 +261,7 @@ def _llama_args(config: dict[str, Any], where: Path) -> LlamaArgs:
 
 
 @dataclass
-class PublishedEagle:
+class PublishedEagle(_BuiltOncePerTarget):
     """An EAGLE-1/2 drafter read from its published layout; `bind(target)` builds it (once per target) as a
     specdec EagleNet that computes it exactly, what `strategy=eagle`'s `drafter` must provide."""
 
@@ -263,13 +269,6 @@ class PublishedEagle:
     config: dict[str, Any]
     state: dict[str, Tensor]
     weights: str = "fp32"  # the CPU kernels' copy of the matrices: fp32, bf16 or int8 (heads.eagle.load_eagle)
-    _bound: dict[int, EagleNet] = field(default_factory=dict, repr=False)
-
-    def bind(self, target: LoadedModel) -> EagleNet:
-        key = id(target)
-        if key not in self._bound:
-            self._bound[key] = self.build(target)
-        return self._bound[key]
 
     def build(self, target: LoadedModel) -> EagleNet:
         where, cfg, state = self.folder, self.config, self.state
@@ -348,7 +347,6 @@ def export_eagle(net: EagleNet, out: str | Path, target_embed: Tensor | None = N
     if net.args.o_bias:
         raise SpecdecError("this EAGLE drafter has an o_proj bias, which EAGLE-1/2's layout lacks; it cannot be "
                            "exported (use a target without one)")
-    from safetensors.torch import save_file
 
     a: LlamaArgs = net.args
     q, kv = a.n_heads * a.head_dim, a.n_kv_heads * a.head_dim
@@ -390,11 +388,7 @@ def export_eagle(net: EagleNet, out: str | Path, target_embed: Tensor | None = N
         config["qkv_bias"] = True
     if a.rope_scaling:
         config["rope_scaling"] = dict(a.rope_scaling)
-    out_dir = Path(out)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
-    (out_dir / "config.json").write_text(json.dumps(config, indent=2))
-    return out_dir
+    return _write_folder(out, tensors, config)
 
 
 def export_eagle3(net: Any, out: str | Path, target_embed: Tensor | None = None, base_model: str = "",
@@ -402,7 +396,6 @@ def export_eagle3(net: Any, out: str | Path, target_embed: Tensor | None = None,
     """Write `net`, a heads.eagle3.Eagle3Net (e.g. one `load_eagle_layout` built), in SafeAILab's EAGLE-3
     layout: `out/config.json` and `out/model.safetensors`, what vLLM (`eagle3`) and SGLang (`EAGLE3`) load.
     `target_embed`: the target's (V, D) embedding; the drafter's own is written only where it differs."""
-    from safetensors.torch import save_file
 
     a: LlamaArgs = net.args
     q, kv, V, dv = a.n_heads * a.head_dim, a.n_kv_heads * a.head_dim, a.vocab_size, net.lm_head.out_features
@@ -453,6 +446,13 @@ def export_eagle3(net: Any, out: str | Path, target_embed: Tensor | None = None,
         config["norm_before_residual"] = True
     if a.rope_scaling:
         config["rope_scaling"] = dict(a.rope_scaling)
+    return _write_folder(out, tensors, config)
+
+
+def _write_folder(out: str | Path, tensors: dict[str, Tensor], config: dict[str, Any]) -> Path:
+    """model.safetensors + config.json in `out`, as the EAGLE repository, vLLM and SGLang read them."""
+    from safetensors.torch import save_file
+
     out_dir = Path(out)
     out_dir.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})

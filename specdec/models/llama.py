@@ -205,18 +205,13 @@ class WholePass(Protocol):
                  mask: Tensor | None) -> Tensor: ...  # -> final-norm hidden states (B, T, dim)
 
 
-class Llama(nn.Module):
-    def __init__(self, args: LlamaArgs) -> None:
-        super().__init__()
-        self.args = args
-        self.fused: WholePass | None = None  # set by cpu_layer.use_fused_stacks
-        self.embed = nn.Embedding(args.vocab_size, args.dim)
-        self.layers = nn.ModuleList(Block(args, i) for i in range(args.n_layers))
-        self.norm = RMSNorm(args.dim, args.norm_eps)
-        self.lm_head = nn.Linear(args.dim, args.vocab_size, bias=False)
-        self.register_buffer("inv_freq", rope_inv_freq(args), persistent=False)
+class NormPlaced(nn.Module):
+    """A stack with `args` (LlamaArgs) and a final `norm`: its device and dtype are read off that norm
+    (under the CPU kernels the embedding's `weight` is rebuilt on each access), its cache sized from args."""
 
-    # read off the final norm: under the CPU kernels the embedding's `weight` is rebuilt on each access
+    args: LlamaArgs
+    norm: RMSNorm
+
     @property
     def device(self) -> torch.device:
         return self.norm.weight.device
@@ -228,6 +223,18 @@ class Llama(nn.Module):
     def new_cache(self, max_len: int, batch: int = 1) -> KVCache:
         a = self.args
         return KVCache(a.n_layers, batch, a.n_kv_heads, max_len, a.head_dim, self.dtype, self.device)
+
+
+class Llama(NormPlaced):
+    def __init__(self, args: LlamaArgs) -> None:
+        super().__init__()
+        self.args = args
+        self.fused: WholePass | None = None  # set by cpu_layer.use_fused_stacks
+        self.embed = nn.Embedding(args.vocab_size, args.dim)
+        self.layers = nn.ModuleList(Block(args, i) for i in range(args.n_layers))
+        self.norm = RMSNorm(args.dim, args.norm_eps)
+        self.lm_head = nn.Linear(args.dim, args.vocab_size, bias=False)
+        self.register_buffer("inv_freq", rope_inv_freq(args), persistent=False)
 
     def rope(self, positions: Tensor) -> Tensor:
         angles = positions[..., None, None].float() * self.inv_freq  # (B, T, 1, D/2)
