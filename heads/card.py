@@ -48,7 +48,7 @@ def write_card(out_dir: Path, name: str, model: str, meta: dict[str, Any], argv:
         f"(prompts: {_prompts(data, meta.get('prompt_sources'))}; continuations of {data.get('max_new_tokens')} "
         "tokens, generated in "
         f"{meta.get('data_dtype', 'fp32')} in {_fmt(meta.get('data_minutes'))} min, "
-        f"budget {data.get('max_minutes')} min)",
+        f"budget {data.get('max_minutes')} min{' per source' if len(meta.get('prompt_sources') or []) > 1 else ''})",
         f"- Training: {meta.get('steps')} steps, {_fmt(meta.get('epochs'))} epochs, {_fmt(meta.get('minutes'))} min "
         f"(budget {train.get('max_minutes')} min), batch {train.get('batch_size')}, lr {train.get('lr')}, "
         f"sequence length {train.get('seq_len')}, mixed precision {train.get('mixed_precision', 'no')}",

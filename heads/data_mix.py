@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from heads.distill_data import DistillSet, build_distill_dataset
+from heads.distill_data import DistillSet, build_distill_dataset, concat_memmap
 from heads.prompt_sources import source_prompts
 from specdec.errors import SpecdecError
 from specdec.models.loader import LoadedModel
@@ -85,14 +85,5 @@ def _joined(arrays: Sequence[np.ndarray]) -> np.ndarray:
     path = root / f"mix-{key}" / "hidden.npy"
     if not path.is_file():
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp.npy")
-        rows = sum(a.shape[0] for a in arrays)
-        out = np.lib.format.open_memmap(tmp, mode="w+", dtype=np.float16, shape=(rows, arrays[0].shape[1]))
-        row = 0
-        for a in arrays:
-            out[row:row + a.shape[0]] = a
-            row += a.shape[0]
-        out.flush()
-        del out
-        tmp.rename(path)
+        return concat_memmap(path, arrays)
     return np.load(path, mmap_mode="r")

@@ -155,16 +155,23 @@ def _joined_hidden(folder: Path, parts: list[Path], lengths: list[int]) -> np.nd
         pieces = [np.load(p / "hidden.npy", mmap_mode="r") for p in parts]
         if sum(x.shape[0] for x in pieces) != sum(lengths):
             raise SpecdecError(f"hidden states in {folder} do not match its tokens; delete the folder to regenerate")
-        tmp = path.with_suffix(".tmp.npy")
-        out = np.lib.format.open_memmap(tmp, mode="w+", dtype=np.float16,
-                                        shape=(sum(lengths), pieces[0].shape[1]))
-        row = 0
-        for x in pieces:
-            out[row:row + x.shape[0]] = x
-            row += x.shape[0]
-        out.flush()
-        del out
-        tmp.rename(path)
+        return concat_memmap(path, pieces)
+    return np.load(path, mmap_mode="r")
+
+
+def concat_memmap(path: Path, pieces: Sequence[np.ndarray]) -> np.ndarray:
+    """(rows_i, D) arrays stacked into one float16 memory map at `path` (written under a temporary name,
+    then renamed, so a file there is always whole)."""
+    tmp = path.with_suffix(".tmp.npy")
+    out = np.lib.format.open_memmap(tmp, mode="w+", dtype=np.float16,
+                                    shape=(sum(x.shape[0] for x in pieces), pieces[0].shape[1]))
+    row = 0
+    for x in pieces:
+        out[row:row + x.shape[0]] = x
+        row += x.shape[0]
+    out.flush()
+    del out
+    tmp.rename(path)
     return np.load(path, mmap_mode="r")
 
 

@@ -216,6 +216,43 @@ def write_checkpoint(out: Path, state: dict[str, Tensor], config: dict[str, Any]
     (out / "config.json").write_text(json.dumps(config))
 
 
+def eagle3_checkpoint(out: Path, target: LoadedModel, D: int = 64, file: str = "model.safetensors",
+                      draft_vocab: int = 200, extra: dict[str, Any] | None = None
+                      ) -> tuple[dict[str, Any], dict[str, Tensor]]:
+    """An EAGLE-3 drafter as SafeAILab's EAGLE-3 code saves it (cnets.Model's state dict, its config.json);
+    a drafter narrower than the target (D != target hidden) brings its own embedding, as such drafters must."""
+    V, tD = target.vocab_size, target.hidden_size
+    H, KV, FF = 4, 2, 96
+    hd = D // H
+    kept = torch.randperm(V, generator=torch.Generator().manual_seed(0))[:draft_vocab].sort().values
+    s, m = 1 / math.sqrt(D), "midlayer."
+    st = {"fc.weight": rand(D, 3 * tD, seed=1, scale=1 / math.sqrt(3 * tD)),
+          "norm.weight": 1 + rand(D, seed=2, scale=0.1), "lm_head.weight": rand(draft_vocab, D, seed=3, scale=s),
+          m + "hidden_norm.weight": 1 + rand(D, seed=4, scale=0.1),
+          m + "input_layernorm.weight": 1 + rand(D, seed=5, scale=0.1),
+          m + "post_attention_layernorm.weight": 1 + rand(D, seed=6, scale=0.1),
+          m + "self_attn.q_proj.weight": rand(H * hd, 2 * D, seed=7, scale=s),
+          m + "self_attn.k_proj.weight": rand(KV * hd, 2 * D, seed=8, scale=s),
+          m + "self_attn.v_proj.weight": rand(KV * hd, 2 * D, seed=9, scale=s),
+          m + "self_attn.o_proj.weight": rand(D, H * hd, seed=10, scale=s),
+          m + "mlp.gate_proj.weight": rand(FF, D, seed=11, scale=s),
+          m + "mlp.up_proj.weight": rand(FF, D, seed=12, scale=s),
+          m + "mlp.down_proj.weight": rand(D, FF, seed=13, scale=1 / math.sqrt(FF)),
+          "d2t": kept - torch.arange(draft_vocab), "t2d": torch.zeros(V, dtype=torch.bool).index_fill(0, kept, True)}
+    if D != tD:
+        st["embed_tokens.weight"] = rand(V, D, seed=14, scale=0.5)
+    cfg = {"architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "hidden_act": "silu", "hidden_size": D,
+           "intermediate_size": FF, "num_attention_heads": H, "num_key_value_heads": KV, "num_hidden_layers": 1,
+           "max_position_embeddings": 2048, "rms_norm_eps": 1e-5, "rope_theta": 50000.0, "rope_scaling": None,
+           "vocab_size": V, "draft_vocab_size": draft_vocab, "tie_word_embeddings": False, "torch_dtype": "float16",
+           "bos_token_id": 0, "eos_token_id": 2, "pretraining_tp": 1, "use_cache": True}
+    if D != tD:
+        cfg["target_hidden_size"] = tD
+    cfg |= extra or {}
+    write_checkpoint(out, st, cfg, file)
+    return cfg, st
+
+
 def rms(x: Tensor, w: Tensor, eps: float) -> Tensor:
     return w * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
 

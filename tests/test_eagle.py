@@ -17,11 +17,10 @@ from helpers import (
 )
 from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
-from omegaconf import OmegaConf
 
 from heads.eagle import EagleTrainable, EagleTrainModule, load_eagle
 from heads.train import train
-from specdec.cli_checks import CONFIG_DIR
+from specdec.cli_checks import CONFIG_DIR, group_config
 from specdec.engine.kv_cache import KVCache
 from specdec.engine.sampling import SamplingParams, warp
 from specdec.errors import SpecdecError
@@ -176,7 +175,7 @@ def test_short_training_lowers_loss_and_ships_a_lossless_drafter(tmp_path: Path,
     meta = train(cfg)
     assert meta["steps"] == 30 and meta["last_loss"] < 0.7 * meta["first_loss"]
     assert "# eagle for tiny-llama" in (out / "README.md").read_text()
-    scfg = OmegaConf.load(CONFIG_DIR / "strategy" / "eagle.yaml")
+    scfg = group_config("strategy", "eagle")  # composed: its schedule comes from the defaults list
     scfg.drafter.path = str(out)
     scfg.schedule.threshold = 0.0
     strategy = instantiate(scfg)(target=tiny_target, max_len=512, prefill_chunk=64)

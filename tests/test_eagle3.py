@@ -8,14 +8,13 @@ layers 2, n/2 and n-3, need n >= 7 to be three distinct layers."""
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import assert_draws_follow, assert_kv_matches_fresh, rand, reference_attention, rms, write_checkpoint
+from helpers import assert_draws_follow, assert_kv_matches_fresh, eagle3_checkpoint, rand, reference_attention, rms
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 from safetensors.torch import save_file
@@ -30,7 +29,7 @@ from heads.interop.eagle_layout import (
     load_eagle_layout,
     read_eagle,
 )
-from specdec.cli_checks import CONFIG_DIR
+from specdec.cli_checks import CONFIG_DIR, group_config
 from specdec.engine.engine import HFEngine, StaticEngine
 from specdec.engine.sampling import SamplingParams, warp
 from specdec.engine.static_step import StaticStep
@@ -48,43 +47,6 @@ PROMPT = [1, 17, 40, 99, 23, 17, 40, 99, 23, 5]
 def deep() -> LoadedModel:
     return load_model("tiny-llama", "builtin:tiny-llama", matmul="torch", compile=False,
                       tiny={"num_hidden_layers": 8})
-
-
-def eagle3_checkpoint(out: Path, target: LoadedModel, D: int = 64, file: str = "model.safetensors",
-                      draft_vocab: int = 200, extra: dict[str, Any] | None = None
-                      ) -> tuple[dict[str, Any], dict[str, Tensor]]:
-    """An EAGLE-3 drafter as SafeAILab's EAGLE-3 code saves it (cnets.Model's state dict, its config.json);
-    a drafter narrower than the target (D != target hidden) brings its own embedding, as such drafters must."""
-    V, tD = target.vocab_size, target.hidden_size
-    H, KV, FF = 4, 2, 96
-    hd = D // H
-    kept = torch.randperm(V, generator=torch.Generator().manual_seed(0))[:draft_vocab].sort().values
-    s, m = 1 / math.sqrt(D), "midlayer."
-    st = {"fc.weight": rand(D, 3 * tD, seed=1, scale=1 / math.sqrt(3 * tD)),
-          "norm.weight": 1 + rand(D, seed=2, scale=0.1), "lm_head.weight": rand(draft_vocab, D, seed=3, scale=s),
-          m + "hidden_norm.weight": 1 + rand(D, seed=4, scale=0.1),
-          m + "input_layernorm.weight": 1 + rand(D, seed=5, scale=0.1),
-          m + "post_attention_layernorm.weight": 1 + rand(D, seed=6, scale=0.1),
-          m + "self_attn.q_proj.weight": rand(H * hd, 2 * D, seed=7, scale=s),
-          m + "self_attn.k_proj.weight": rand(KV * hd, 2 * D, seed=8, scale=s),
-          m + "self_attn.v_proj.weight": rand(KV * hd, 2 * D, seed=9, scale=s),
-          m + "self_attn.o_proj.weight": rand(D, H * hd, seed=10, scale=s),
-          m + "mlp.gate_proj.weight": rand(FF, D, seed=11, scale=s),
-          m + "mlp.up_proj.weight": rand(FF, D, seed=12, scale=s),
-          m + "mlp.down_proj.weight": rand(D, FF, seed=13, scale=1 / math.sqrt(FF)),
-          "d2t": kept - torch.arange(draft_vocab), "t2d": torch.zeros(V, dtype=torch.bool).index_fill(0, kept, True)}
-    if D != tD:
-        st["embed_tokens.weight"] = rand(V, D, seed=14, scale=0.5)
-    cfg = {"architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "hidden_act": "silu", "hidden_size": D,
-           "intermediate_size": FF, "num_attention_heads": H, "num_key_value_heads": KV, "num_hidden_layers": 1,
-           "max_position_embeddings": 2048, "rms_norm_eps": 1e-5, "rope_theta": 50000.0, "rope_scaling": None,
-           "vocab_size": V, "draft_vocab_size": draft_vocab, "tie_word_embeddings": False, "torch_dtype": "float16",
-           "bos_token_id": 0, "eos_token_id": 2, "pretraining_tp": 1, "use_cache": True}
-    if D != tD:
-        cfg["target_hidden_size"] = tD
-    cfg |= extra or {}
-    write_checkpoint(out, st, cfg, file)
-    return cfg, st
 
 
 def eagle3_reference(cfg: dict[str, Any], st: dict[str, Tensor], embed: Tensor, ids: Tensor,
@@ -176,7 +138,7 @@ def test_loaded_drafter_computes_the_published_drafter(deep: LoadedModel, tmp_pa
 
 def test_eagle3_strategy_reproduces_greedy(deep: LoadedModel, tmp_path: Path) -> None:
     eagle3_checkpoint(tmp_path, deep)
-    scfg = OmegaConf.load(CONFIG_DIR / "strategy" / "eagle3.yaml")
+    scfg = group_config("strategy", "eagle3")  # composed: its schedule comes from the defaults list
     scfg.drafter.path = str(tmp_path)
     scfg.schedule.threshold = 0.0  # always draft max_gamma tokens
     eagle3 = instantiate(scfg)(target=deep, max_len=512, prefill_chunk=8)

@@ -24,7 +24,7 @@ from heads.interop.eagle_layout import export_eagle, load_eagle_layout, read_eag
 from heads.interop.hub import load_tensors, resolve_source
 from heads.interop.medusa_layout import export_medusa, load_fasterdecoding_heads, read_medusa_choices
 from heads.medusa import head_weight, medusa_heads
-from specdec.cli_checks import CONFIG_DIR
+from specdec.cli_checks import CONFIG_DIR, group_config
 from specdec.errors import SpecdecError
 from specdec.models.loader import LoadedModel, load_model
 from specdec.strategies.base import GenerationParams
@@ -337,7 +337,7 @@ def test_published_eagle_drafter_runs_in_the_strategy(tiny_target: LoadedModel, 
     from hydra.utils import instantiate
 
     eagle_folder(tmp_path, tiny_target, 1, True, "pytorch_model.bin", False)
-    scfg = OmegaConf.load(CONFIG_DIR / "strategy" / "eagle.yaml")
+    scfg = group_config("strategy", "eagle")  # composed: its schedule comes from the defaults list
     scfg.drafter = {"_target_": "heads.interop.eagle_layout.load_eagle_layout", "path": str(tmp_path)}
     scfg.schedule.threshold = 0.0
     eagle = instantiate(scfg)(target=tiny_target, max_len=512, prefill_chunk=64)

@@ -24,10 +24,12 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from helpers import eagle3_checkpoint
 from torch import Tensor
 
 from heads.draft_model import DraftTrainable, load_draft
 from heads.eagle import EagleTrainable, load_eagle
+from heads.interop.eagle_layout import load_eagle_layout
 from heads.medusa import medusa_heads
 from specdec.engine.engine import ForwardOut
 from specdec.engine.sampling import SamplingParams
@@ -224,6 +226,24 @@ def strategies(saved: dict[str, Path]) -> dict[str, Callable[[LoadedModel], Spec
 
 NAMES = ["greedy", "prompt_lookup", "lookahead", "draft", "draft_lm", "eagle", "eagle2", "medusa", "medusa_dynamic",
          "hydra_copy", "hydra_fixed", "draft_lookup", "eagle_lookup", "medusa_lookup"]
+
+
+def test_a_published_eagle3_drafter_is_built_on_the_targets_device(tmp_path: Path) -> None:
+    """EAGLE-3 drafters are read from their published files on the CPU and built per target (bind): the
+    built drafter, its draft-to-target id map and the proposer's state land on the target's device."""
+    try:
+        import torch._lazy.ts_backend
+
+        torch._lazy.ts_backend.init()
+    except (ImportError, RuntimeError, AttributeError) as e:
+        pytest.skip(f"torch's lazy-tensor device is unavailable ({e}); the placement test needs a second device")
+    deep = load_model("tiny-llama", "builtin:tiny-llama", dtype="bf16", device="lazy", matmul="torch",
+                      tiny={"num_hidden_layers": 4})
+    eagle3_checkpoint(tmp_path, deep, D=48, extra={"eagle_aux_hidden_state_layer_ids": [0, 1, 3]})
+    strategy = EagleStrategy(deep, "eagle3", load_eagle_layout(str(tmp_path)), FixedLength(3), MAX_LEN, CHUNK)
+    proposer = strategy.make_proposer()
+    bad = misplaced(deep, strategy=strategy, proposer=proposer)
+    assert not bad, f"eagle3: {len(bad)} misplaced, e.g.\n" + "\n".join(bad[:40])
 
 
 def test_every_strategy_is_covered(saved: dict[str, Path]) -> None:
