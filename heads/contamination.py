@@ -16,6 +16,7 @@ produces; `--prompts FILE` checks a file instead (jsonl: a string, or an object 
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import sys
 from collections.abc import Iterable, Sequence
@@ -167,11 +168,18 @@ def builder_prompts() -> list[str]:
 
 
 def read_prompts(path: Path) -> list[str]:
-    """A jsonl file (a string, or an object with prompt/text/turns, a line) or one prompt a line."""
+    """A jsonl file, gzipped or not (a string, or an object with prompt/text/turns or chat `messages`, a
+    line), or one prompt a line."""
     if not path.is_file():
         raise SpecdecError(f"prompts file not found: {path}")
-    lines = [ln for ln in path.read_text(encoding="utf-8").splitlines() if ln.strip()]
-    if path.suffix != ".jsonl":
+    gzipped = path.suffix == ".gz"
+    try:
+        text = gzip.decompress(path.read_bytes()).decode("utf-8") if gzipped else path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise SpecdecError(f"{path}: cannot read it as {'gzip' if gzipped else 'UTF-8'} text ({e}); "
+                           "pass a .jsonl, .jsonl.gz or plain-text file") from None
+    lines = [ln for ln in text.splitlines() if ln.strip()]
+    if Path(path.stem if gzipped else path.name).suffix != ".jsonl":
         return lines
     prompts: list[str] = []
     for n, line in enumerate(lines, 1):
@@ -185,8 +193,11 @@ def read_prompts(path: Path) -> list[str]:
             prompts.append(obj.get("prompt", obj.get("text")))
         elif isinstance(obj, dict) and isinstance(obj.get("turns"), list):
             prompts += [t for t in obj["turns"] if isinstance(t, str)]
+        elif isinstance(obj, dict) and isinstance(obj.get("messages"), list):   # the user turns of a chat
+            prompts += [m["content"] for m in obj["messages"]
+                        if isinstance(m, dict) and m.get("role") == "user" and isinstance(m.get("content"), str)]
         else:
-            raise SpecdecError(f"{path} line {n}: expected a string or an object with prompt, text or turns")
+            raise SpecdecError(f"{path} line {n}: expected a string or an object with prompt, text, turns or messages")
     return prompts
 
 

@@ -40,13 +40,20 @@ def _figures(summary: dict[str, Any]) -> str:
 
 def portable(text: str) -> str:
     """Absolute paths in `text` as a reader elsewhere can use them: inside the repository relative to its
-    root, outside it as `<outside>/NAME` (a committed file names no local folder)."""
+    root, inside another checkout of it (a worktree) relative to that one's root, otherwise as
+    `<outside>/NAME` (a committed file names no local folder)."""
     def one(match: re.Match[str]) -> str:
         path = Path(match.group(0))
         try:
             return path.relative_to(REPO_ROOT).as_posix()
         except ValueError:
-            return f"<outside>/{path.name}"
+            pass
+        # The longest tail of two or more parts that names a file of this repository.
+        for start in range(1, len(path.parts) - 1):
+            tail = Path(*path.parts[start:])
+            if (REPO_ROOT / tail).exists():
+                return tail.as_posix()
+        return f"<outside>/{path.name}"
 
     return re.sub(r"(?<![\w.~])/(?:[\w.+@-]+/)+[\w.+@-]+", one, text)
 

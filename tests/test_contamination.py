@@ -59,6 +59,23 @@ def test_a_planted_overlap_is_listed_and_exits_nonzero(tmp_path: Path, turns: li
     assert main(["--prompts", str(text)]) == 1
 
 
+def test_a_gzipped_chat_file_is_read_by_its_user_turns(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    import gzip
+
+    question = json.loads(SPECBENCH.read_text().splitlines()[0])["turns"][0]
+    chats = [{"messages": [{"role": "user", "content": "Name three rivers."},
+                           {"role": "assistant", "content": question}]},   # the target's words are not prompts
+             {"messages": [{"role": "user", "content": question}]}]
+    path = tmp_path / "chats.jsonl.gz"
+    path.write_bytes(gzip.compress("\n".join(json.dumps(c) for c in chats).encode()))
+    assert main(["--prompts", str(path)]) == 1
+    assert capsys.readouterr().out.splitlines()[-1].startswith("contaminated: 1 of 2 prompts")
+    broken = tmp_path / "broken.jsonl.gz"
+    broken.write_bytes(b"not gzip at all")
+    assert main(["--prompts", str(broken)]) == 2
+    assert "cannot read it as gzip" in capsys.readouterr().err
+
+
 def test_the_builder_refuses_contaminated_prompts(turns: list[EvalTurn]) -> None:
     index = EvalIndex(turns)
     bad = next(t.text for t in turns if len(t.text.split()) > 20)

@@ -54,6 +54,12 @@ def test_no_summaries_is_one_clear_error(tmp_path: Path, capsys: pytest.CaptureF
     assert "\n" not in err and "no summary.json" in err
 
 
+def test_a_path_in_another_checkout_reads_relative_to_its_root() -> None:
+    other = "/tmp/worktree/experiments/data/specbench_style.jsonl"
+    assert portable(f"data.path={other}") == "data.path=experiments/data/specbench_style.jsonl"
+    assert portable("/tmp/README.md") == "<outside>/README.md"   # one part is not enough to say it is ours
+
+
 def test_portable_leaves_relative_text_alone() -> None:
     assert portable("tok/s 3/4 and a/b/c") == "tok/s 3/4 and a/b/c"
 
