@@ -58,6 +58,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import hydra
+import numpy as np
 import torch
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
@@ -226,8 +227,6 @@ def with_cached_hidden(data: Any, target: LoadedModel, seq_len: int, batch_size:
                        folder: Path | None = None) -> tuple[Any, HiddenStore]:
     """Compute the target's hidden states once (resumable across reruns only as a whole: the file is
     complete or rebuilt), store them next to the dataset; returns the data with a `hidden_row` column."""
-    import numpy as np
-
     if folder is None and data.cache_files:
         folder = Path(data.cache_files[0]["filename"]).parent
     lengths = [min(seq_len, len(x)) for x in data["input_ids"]]
@@ -340,6 +339,23 @@ def lr_at(step: int, progress: float, lr: float, warmup_steps: int, min_lr_ratio
     return lr * (min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * p)))
 
 
+def _cap_tokens(train_data: Any, cap: int | None, say: Any) -> Any:
+    """The first sequences of the (shuffled) training split holding at most `cap` target tokens: the
+    points of a data-scaling curve, each a prefix of the next, all scored on the same held-out split."""
+    if cap is None:
+        return train_data
+    if int(cap) < 1:
+        raise SpecdecError(f"train.max_train_tokens={cap}: use a positive token count or null (all of them)")
+    counts = np.array([sum(1 for x in r if x >= 0) for r in train_data["labels"]])
+    keep = int(np.searchsorted(np.cumsum(counts), int(cap), side="right"))
+    if keep == 0:
+        raise SpecdecError(f"train.max_train_tokens={cap} is below the first sequence's {counts[0]} target "
+                           "tokens; raise it")
+    if keep < len(train_data):
+        say(f"train: max_train_tokens={cap} keeps {keep} of {len(train_data)} training sequences")
+    return train_data.select(range(keep))
+
+
 def _config_key(cfg: DictConfig) -> str:
     """What a checkpoint must have been made with to be resumed. Keys added since (data.source and
     its options, train.grad_accum, head.layout) count only away from their defaults, so that checkpoints
@@ -350,6 +366,8 @@ def _config_key(cfg: DictConfig) -> str:
     if data.get("source") is None:
         data = {k: v for k, v in data.items() if k not in SOURCE_KEYS}
     train_keys = {k: t[k] for k in ("lr", "batch_size", "seq_len", "seed", "weight_decay", "val_fraction")}
+    if t.get("max_train_tokens") is not None:
+        train_keys["max_train_tokens"] = int(t.max_train_tokens)
     if int(t.get("grad_accum") or 1) != 1:
         train_keys["grad_accum"] = int(t.grad_accum)
     head = OmegaConf.to_container(cfg.head)
@@ -487,6 +505,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     n_val = int(len(data) * float(t.val_fraction)) if len(data) > 1 else 0
     split = data.train_test_split(test_size=n_val, seed=int(t.seed), shuffle=True) if n_val else None
     train_data, val_data = (split["train"], split["test"]) if split else (data, None)
+    train_data = _cap_tokens(train_data, t.get("max_train_tokens"), say)
     tokens = sum(sum(1 for x in r if x >= 0) for r in train_data["labels"])
     say(f"train: {len(train_data)} sequences ({tokens} target tokens), {n_val} held out")
 

@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# Held-apart acceptance against training tokens (issue 34): EAGLE trained on growing prefixes of the
+# shipped recipe's data (built-in + Magpie prompts, one shuffled split, the same held-out sequences),
+# each point 2 epochs and at least 300 steps, then all points in one interleaved held-apart run.
+#   bash experiments/scaling_curve.sh            # train every point (skips finished ones), then evaluate
+# Checkpoints go to heads/checkpoints/scaling/ (git-ignored); the run to experiments/results/heldapart_magpie/.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python}
+MODEL=smollm2-135m
+for point in 040k:40000 080k:80000 160k:160000 all:null; do
+  name=${point%%:*}; cap=${point#*:}
+  out=heads/checkpoints/scaling/$MODEL-eagle-$name
+  [ -f "$out/eagle.safetensors" ] && continue
+  steps=null; [ "$cap" = 40000 ] || [ "$cap" = 80000 ] && steps=300
+  $PY -m heads.train head=eagle model.matmul=numba \
+    "data.source=[builtin,heads/data/magpie-$MODEL-1turn.jsonl.gz]" data.instructions=0 \
+    data.max_minutes=45 data.torch_threads=2 train.torch_threads=2 \
+    train.epochs=2 train.max_steps=$steps train.max_minutes=null train.max_train_tokens=$cap \
+    output_dir=$out
+done
+$PY -m specdec.run experiment=eagle_scaling
