@@ -18,7 +18,8 @@ from omegaconf import DictConfig
 
 from heads.distill_data import distill_prompts, to_example
 from heads.draft_model import load_draft
-from heads.train import LengthBatches, collate, make_accelerator, target_hidden, train, with_cached_hidden
+from heads.train import (LengthBatches, _cap_tokens, collate, make_accelerator, target_hidden, train,
+                         with_cached_hidden)
 from specdec.cli_checks import CONFIG_DIR
 from specdec.data import default_suite
 from specdec.engine.engine import StaticEngine
@@ -323,3 +324,20 @@ def test_wandb_gets_the_loss_of_every_step(tmp_path: Path, data_dir: Path, monke
 
     if hasattr(WandbLogger, "log_checkpoint"):  # the shipped folder as a `model` artifact
         assert any(r.WhichOneof("record_type") == "artifact" and r.artifact.type == "model" for r in records)
+
+
+def test_max_train_tokens_keeps_a_prefix_of_the_training_split() -> None:
+    import datasets
+
+    labels = [[-100, 1, 2], [-100, -100, 3, 4, 5], [6], [-100, 7, 8]]  # 2, 3, 1, 2 target tokens
+    data = datasets.Dataset.from_dict({"labels": labels, "input_ids": labels})
+    said: list[str] = []
+    assert _cap_tokens(data, None, said.append) is data
+    assert _cap_tokens(data, 6, said.append)["labels"] == labels[:3]  # 2 + 3 + 1 = 6 fits, the 4th does not
+    assert _cap_tokens(data, 5, said.append)["labels"] == labels[:2]
+    assert said == ["train: max_train_tokens=6 keeps 3 of 4 training sequences",
+                    "train: max_train_tokens=5 keeps 2 of 4 training sequences"]
+    assert len(_cap_tokens(data, 100, said.append)) == 4
+    for bad in (0, 1):
+        with pytest.raises(SpecdecError, match="max_train_tokens"):
+            _cap_tokens(data, bad, said.append)
