@@ -12,7 +12,8 @@ for point in 040k:40000 080k:80000 160k:160000 all:null; do
   name=${point%%:*}; cap=${point#*:}
   out=heads/checkpoints/scaling/$MODEL-eagle-$name
   [ -f "$out/eagle.safetensors" ] && continue
-  steps=null; [ "$cap" = 40000 ] || [ "$cap" = 80000 ] && steps=300
+  # 2 epochs of the two smallest points are 92 and 180 steps: those run 300 steps instead
+  case $name in 040k|080k) steps=300 ;; *) steps=null ;; esac
   $PY -m heads.train head=eagle model.matmul=numba \
     "data.source=[builtin,heads/data/magpie-$MODEL-1turn.jsonl.gz]" data.instructions=0 \
     data.max_minutes=45 data.torch_threads=2 train.torch_threads=2 \

@@ -11,6 +11,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from specdec.results_index import portable
+
 META_FILES = ("eagle.json", "medusa.json", "config.json")
 
 
@@ -28,7 +30,8 @@ def rows(run: Path, repo: Path) -> list[dict[str, Any]]:
     for name, s in summary.items():
         cfg = s.get("config") or {}
         path = next((part["path"] for part in cfg.values() if isinstance(part, dict) and "path" in part), None)
-        meta = _train_meta(repo / path) if path else None
+        # a run in another checkout (a worktree) records that checkout's absolute path
+        meta = _train_meta(repo / portable(path)) if path else None
         if meta is None:
             continue
         ci = s.get("speedup_ci") or [None, None]
@@ -39,8 +42,9 @@ def rows(run: Path, repo: Path) -> list[dict[str, Any]]:
 
 
 def table(run: Path, repo: Path) -> str:
-    lines = ["| drafter | training target tokens | sequences | steps | validation acc | tau | alpha | speedup [95% CI] |",
-             "|---|---:|---:|---:|---:|---:|---:|---|"]
+    head = ("drafter", "training target tokens", "sequences", "steps", "validation acc", "tau", "alpha",
+            "speedup [95% CI]")
+    lines = ["| " + " | ".join(head) + " |", "|---|---:|---:|---:|---:|---:|---:|---|"]
     for r in rows(run, repo):
         acc = f"{r['val_acc']:.3f}" if r["val_acc"] is not None else "-"
         lines.append(f"| {r['strategy']} | {r['tokens']:,} | {r['sequences']:,} | {r['steps']} | {acc} | "

@@ -339,21 +339,22 @@ def lr_at(step: int, progress: float, lr: float, warmup_steps: int, min_lr_ratio
     return lr * (min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * p)))
 
 
-def _cap_tokens(train_data: Any, cap: int | None, say: Any) -> Any:
-    """The first sequences of the (shuffled) training split holding at most `cap` target tokens: the
-    points of a data-scaling curve, each a prefix of the next, all scored on the same held-out split."""
+def _cap_tokens(train_data: Any, cap: int | None, say: Any) -> tuple[Any, int]:
+    """The first sequences of the (shuffled) training split holding at most `cap` target tokens (all of
+    them for None), and their target-token count: the points of a data-scaling curve, each a prefix of
+    the next, all scored on the same held-out split."""
+    counts = np.array([sum(1 for x in r if x >= 0) for r in train_data["labels"]])
     if cap is None:
-        return train_data
+        return train_data, int(counts.sum())
     if int(cap) < 1:
         raise SpecdecError(f"train.max_train_tokens={cap}: use a positive token count or null (all of them)")
-    counts = np.array([sum(1 for x in r if x >= 0) for r in train_data["labels"]])
     keep = int(np.searchsorted(np.cumsum(counts), int(cap), side="right"))
     if keep == 0:
         raise SpecdecError(f"train.max_train_tokens={cap} is below the first sequence's {counts[0]} target "
                            "tokens; raise it")
     if keep < len(train_data):
         say(f"train: max_train_tokens={cap} keeps {keep} of {len(train_data)} training sequences")
-    return train_data.select(range(keep))
+    return train_data.select(range(keep)), int(counts[:keep].sum())
 
 
 def _config_key(cfg: DictConfig) -> str:
@@ -505,8 +506,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     n_val = int(len(data) * float(t.val_fraction)) if len(data) > 1 else 0
     split = data.train_test_split(test_size=n_val, seed=int(t.seed), shuffle=True) if n_val else None
     train_data, val_data = (split["train"], split["test"]) if split else (data, None)
-    train_data = _cap_tokens(train_data, t.get("max_train_tokens"), say)
-    tokens = sum(sum(1 for x in r if x >= 0) for r in train_data["labels"])
+    train_data, tokens = _cap_tokens(train_data, t.get("max_train_tokens"), say)
     say(f"train: {len(train_data)} sequences ({tokens} target tokens), {n_val} held out")
 
     module = trainable.build(target, train_data)

@@ -212,3 +212,24 @@ def test_repetition_counts_repeated_4grams_per_strategy(tmp_path: Path, capsys: 
     assert f"a {(1 - 4 / 9) / 2:.3f}, b {1 - 1 / 7:.3f}" in capsys.readouterr().out
     with pytest.raises(SystemExit, match="not found"):
         module.main([str(tmp_path / "missing")])
+
+
+def test_scaling_table_orders_drafters_by_their_training_tokens(tmp_path: Path) -> None:
+    script = Path(__file__).parents[1] / "experiments" / "scaling_table.py"
+    spec = importlib.util.spec_from_file_location("scaling_table", script)
+    assert spec is not None and spec.loader is not None
+    table = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(table)
+    strategies = {"greedy": {"config": {}}}
+    for name, tokens in (("big", 900), ("small", 100)):
+        folder = tmp_path / "ckpt" / name
+        folder.mkdir(parents=True)
+        train = {"target_tokens": tokens, "sequences": tokens // 10, "steps": 3, "val/acc": 0.5}
+        (folder / "eagle.json").write_text(json.dumps({"train": train}))
+        strategies[name] = {"config": {"drafter": {"path": f"ckpt/{name}"}}, "mean_accepted_tokens": tokens / 100,
+                            "acceptance_rate": 0.3, "speedup": 1.2, "speedup_ci": [1.1, 1.3]}
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "summary.json").write_text(json.dumps({"strategies": strategies}))
+    rows = table.rows(tmp_path / "run", tmp_path)
+    assert [(r["strategy"], r["tokens"], r["tau"]) for r in rows] == [("small", 100, 1.0), ("big", 900, 9.0)]
+    assert table.table(tmp_path / "run", tmp_path).splitlines()[2].startswith("| small | 100 | 10 | 3 | 0.500 | 1.00")

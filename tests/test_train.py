@@ -18,8 +18,7 @@ from omegaconf import DictConfig
 
 from heads.distill_data import distill_prompts, to_example
 from heads.draft_model import load_draft
-from heads.train import (LengthBatches, _cap_tokens, collate, make_accelerator, target_hidden, train,
-                         with_cached_hidden)
+from heads.train import LengthBatches, _cap_tokens, collate, make_accelerator, target_hidden, train, with_cached_hidden
 from specdec.cli_checks import CONFIG_DIR
 from specdec.data import default_suite
 from specdec.engine.engine import StaticEngine
@@ -332,12 +331,15 @@ def test_max_train_tokens_keeps_a_prefix_of_the_training_split() -> None:
     labels = [[-100, 1, 2], [-100, -100, 3, 4, 5], [6], [-100, 7, 8]]  # 2, 3, 1, 2 target tokens
     data = datasets.Dataset.from_dict({"labels": labels, "input_ids": labels})
     said: list[str] = []
-    assert _cap_tokens(data, None, said.append) is data
-    assert _cap_tokens(data, 6, said.append)["labels"] == labels[:3]  # 2 + 3 + 1 = 6 fits, the 4th does not
-    assert _cap_tokens(data, 5, said.append)["labels"] == labels[:2]
+    assert _cap_tokens(data, None, said.append) == (data, 8)
+    kept, tokens = _cap_tokens(data, 6, said.append)
+    assert kept["labels"] == labels[:3] and tokens == 6  # 2 + 3 + 1 = 6 fits, the 4th does not
+    kept, tokens = _cap_tokens(data, 5, said.append)
+    assert kept["labels"] == labels[:2] and tokens == 5
     assert said == ["train: max_train_tokens=6 keeps 3 of 4 training sequences",
                     "train: max_train_tokens=5 keeps 2 of 4 training sequences"]
-    assert len(_cap_tokens(data, 100, said.append)) == 4
+    kept, tokens = _cap_tokens(data, 100, said.append)
+    assert len(kept) == 4 and tokens == 8 and len(said) == 2
     for bad in (0, 1):
         with pytest.raises(SpecdecError, match="max_train_tokens"):
             _cap_tokens(data, bad, said.append)
