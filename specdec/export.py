@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from specdec.errors import SpecdecError
+from specdec.resolvers import REPO_ROOT
 from specdec.specbench import Questions, Row, group_questions, turn_text
 
 
@@ -131,6 +132,8 @@ def export_specbench(run_dir: str | Path, out: str | Path | None = None,
                            "it out")
     path = questions_file if questions_file is not None else (config.get("data") or {}).get("path")
     questions = Path(path).expanduser() if isinstance(path, str | Path) else None
+    if questions is not None and questions_file is None and not questions.is_absolute():
+        questions = REPO_ROOT / questions  # runs record paths inside the repository relative to its root
     ids = source_ids(questions)
     qs = group_questions(rows)
     if not qs.question_ids:

@@ -38,6 +38,7 @@ from specdec.engine.sampling import SamplingParams
 from specdec.errors import SpecdecError
 from specdec.metrics import add_speedup_ci, lossless, summarize
 from specdec.models.loader import LoadedModel
+from specdec.resolvers import repo_relative
 from specdec.results import AnswerLog, check_resume_key, earlier_strategy_configs
 from specdec.specbench import add_specbench_speedup
 from specdec.strategies.base import GenerationParams, Strategy
@@ -491,6 +492,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
             summary["failures"] = failures
             summary["interrupted"] = interrupted
             summary["peak_rss_mb"] = round(peak_rss_mb(), 1)
+            summary = repo_relative(summary)  # the same record from every checkout of the repository
             _write_json(out_dir / "summary.json", summary)
             logger.log_summary(summary, [out_dir / "summary.json", out_dir / "answers.jsonl"])
             logger.finish()

@@ -130,3 +130,22 @@ def test_a_resumed_folder_keeps_the_configs_of_earlier_strategies(tmp_path: Path
     summary = run(compose_run([*TINY, "data.limit=1", "strategies=[greedy]", f"output_dir={out}"]))
     assert summary["strategies"]["prompt_lookup"]["config"]["num_draft_tokens"] == 7
     check_strict(out)
+
+
+def test_paths_inside_the_repository_are_recorded_relative_to_it(tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    # a run in a worktree or a clone must record the same config as one in the main checkout
+    from specdec.export import main as export_main
+    from specdec.resolvers import REPO_ROOT
+
+    out = tmp_path / "run"
+    run(compose_run([*TINY, "data.limit=1", "strategies=[greedy]", "data=jsonl",
+                     "data.path=${specdec.repo:experiments/heldapart/offline_clean.jsonl}", f"output_dir={out}"]))
+    text = (out / "summary.json").read_text()
+    assert json.loads(text)["config"]["data"]["path"] == "experiments/heldapart/offline_clean.jsonl"
+    assert f"{REPO_ROOT}/" not in text and str(out) in text  # paths outside the repository stay whole
+    monkeypatch.chdir(tmp_path)  # the export finds the questions file from any working directory
+    assert export_main(["specbench", str(out), "--out", str(tmp_path / "sb")]) == 0
+    line = json.loads((tmp_path / "sb" / "greedy.jsonl").read_text().splitlines()[0])
+    first = json.loads((REPO_ROOT / "experiments/heldapart/offline_clean.jsonl").read_text().splitlines()[0])
+    assert line["question_id"] == first["question_id"]
