@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Held-apart acceptance against training tokens (issue 34): EAGLE trained on growing prefixes of the
 # shipped recipe's data (built-in + Magpie prompts, one shuffled split, the same held-out sequences),
-# each point 2 epochs and at least 300 steps, then all points in one interleaved held-apart run.
+# each point 2 epochs and at least 300 steps; then one point on a second Magpie file as well; then all
+# points in one interleaved held-apart run.
 #   bash experiments/scaling_curve.sh            # train every point (skips finished ones), then evaluate
 # Checkpoints go to heads/checkpoints/scaling/ (git-ignored); the run to experiments/results/heldapart_magpie/.
 set -euo pipefail
@@ -20,4 +21,13 @@ for point in 040k:40000 080k:80000 160k:160000 all:null; do
     train.epochs=2 train.max_steps=$steps train.max_minutes=null train.max_train_tokens=$cap \
     output_dir=$out
 done
+# Past the one Magpie file: a second one (another seed, the same domains), the whole of both, 2 epochs.
+# A three-source mix shuffles into another split, so this point's validation accuracy is on other sequences.
+MAGPIE2=heads/data/magpie-$MODEL-1turn-seed1.jsonl.gz
+[ -f "$MAGPIE2" ] || $PY -m heads.magpie --n 3000 --turns 1 --seed 1 --batch-size 128 --out "$MAGPIE2"
+out=heads/checkpoints/scaling/$MODEL-eagle-x2
+[ -f "$out/eagle.safetensors" ] || $PY -m heads.train head=eagle model.matmul=numba \
+  "data.source=[builtin,heads/data/magpie-$MODEL-1turn.jsonl.gz,$MAGPIE2]" data.instructions=0 \
+  data.max_minutes=60 data.torch_threads=2 train.torch_threads=2 \
+  train.epochs=2 train.max_minutes=45 output_dir=$out
 $PY -m specdec.run experiment=eagle_scaling
