@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Held-apart acceptance against training tokens (issue 34): EAGLE trained on growing prefixes of the
 # shipped recipe's data (built-in + Magpie prompts, one shuffled split, the same held-out sequences),
-# each point 2 epochs and at least 300 steps; then one point on a second Magpie file as well; then all
-# points in one interleaved held-apart run.
+# each point 2 epochs and at least 300 steps; then one point with a second Magpie file (the shipped
+# drafter) and one with a third; then all points in one interleaved held-apart run.
 #   bash experiments/scaling_curve.sh            # train every point (skips finished ones), then evaluate
 # Checkpoints go to heads/checkpoints/scaling/ (git-ignored); the run to experiments/results/heldapart_magpie/.
 set -euo pipefail
@@ -30,4 +30,12 @@ out=heads/checkpoints/scaling/$MODEL-eagle-x2
   "data.source=[builtin,heads/data/magpie-$MODEL-1turn.jsonl.gz,$MAGPIE2]" data.instructions=0 \
   data.max_minutes=60 data.torch_threads=2 train.torch_threads=2 \
   train.epochs=2 train.max_minutes=45 output_dir=$out
+# A third file (seed 2): three Magpie files, 2 epochs.
+MAGPIE3=heads/data/magpie-$MODEL-1turn-seed2.jsonl.gz
+[ -f "$MAGPIE3" ] || $PY -m heads.magpie --n 3000 --turns 1 --seed 2 --batch-size 128 --out "$MAGPIE3"
+out=heads/checkpoints/scaling/$MODEL-eagle-x3
+[ -f "$out/eagle.safetensors" ] || $PY -m heads.train head=eagle model.matmul=numba \
+  "data.source=[builtin,heads/data/magpie-$MODEL-1turn.jsonl.gz,$MAGPIE2,$MAGPIE3]" data.instructions=0 \
+  data.max_minutes=60 data.torch_threads=2 train.torch_threads=2 \
+  train.epochs=2 train.max_minutes=60 output_dir=$out
 $PY -m specdec.run experiment=eagle_scaling
