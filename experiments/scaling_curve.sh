@@ -21,21 +21,17 @@ for point in 040k:40000 080k:80000 160k:160000 all:null; do
     train.epochs=2 train.max_steps=$steps train.max_minutes=null train.max_train_tokens=$cap \
     output_dir=$out
 done
-# Past the one Magpie file: a second one (another seed, the same domains), the whole of both, 2 epochs.
-# A three-source mix shuffles into another split, so this point's validation accuracy is on other sequences.
-MAGPIE2=heads/data/magpie-$MODEL-1turn-seed1.jsonl.gz
-[ -f "$MAGPIE2" ] || $PY -m heads.magpie --n 3000 --turns 1 --seed 1 --batch-size 128 --out "$MAGPIE2"
-out=heads/checkpoints/scaling/$MODEL-eagle-x2
-[ -f "$out/eagle.safetensors" ] || $PY -m heads.train head=eagle model.matmul=numba \
-  "data.source=[builtin,heads/data/magpie-$MODEL-1turn.jsonl.gz,$MAGPIE2]" data.instructions=0 \
-  data.max_minutes=60 data.torch_threads=2 train.torch_threads=2 \
-  train.epochs=2 train.max_minutes=45 output_dir=$out
-# A third file (seed 2): three Magpie files, 2 epochs.
-MAGPIE3=heads/data/magpie-$MODEL-1turn-seed2.jsonl.gz
-[ -f "$MAGPIE3" ] || $PY -m heads.magpie --n 3000 --turns 1 --seed 2 --batch-size 128 --out "$MAGPIE3"
-out=heads/checkpoints/scaling/$MODEL-eagle-x3
-[ -f "$out/eagle.safetensors" ] || $PY -m heads.train head=eagle model.matmul=numba \
-  "data.source=[builtin,heads/data/magpie-$MODEL-1turn.jsonl.gz,$MAGPIE2,$MAGPIE3]" data.instructions=0 \
-  data.max_minutes=60 data.torch_threads=2 train.torch_threads=2 \
-  train.epochs=2 train.max_minutes=60 output_dir=$out
+# Past the one Magpie file: more files (other seeds, the same domains), all of them, 2 epochs; x2 is the
+# shipped drafter. A mix of more sources shuffles into another split, so validation accuracy there is on
+# other sequences.
+sources="builtin,heads/data/magpie-$MODEL-1turn.jsonl.gz"
+for seed in 1 2; do
+  file=heads/data/magpie-$MODEL-1turn-seed$seed.jsonl.gz
+  sources="$sources,$file"
+  [ -f "$file" ] || $PY -m heads.magpie --n 3000 --turns 1 --seed $seed --batch-size 128 --out "$file"
+  out=heads/checkpoints/scaling/$MODEL-eagle-x$((seed + 1))
+  [ -f "$out/eagle.safetensors" ] || $PY -m heads.train head=eagle model.matmul=numba \
+    "data.source=[$sources]" data.instructions=0 data.max_minutes=60 data.torch_threads=2 \
+    train.torch_threads=2 train.epochs=2 train.max_minutes=$((30 + 15 * seed)) output_dir=$out
+done
 $PY -m specdec.run experiment=eagle_scaling
