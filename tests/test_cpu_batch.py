@@ -6,6 +6,7 @@ bits every time with one numba thread too."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Iterator
 
 import numba
@@ -16,7 +17,7 @@ from helpers import random_ids
 from torch import Tensor
 
 from specdec.engine.kv_cache import KVCache
-from specdec.models import cpu_kernels
+from specdec.models import cpu_kernels, cpu_layer
 from specdec.models.llama import Llama
 from specdec.models.loader import LoadedModel
 
@@ -163,7 +164,7 @@ def test_passes_with_one_numba_thread_repeat_bitwise_and_match_the_torch_path(mo
         ref_cache = model.new_cache(MAX_LEN)  # taps: the layers' own forward, not the fused stack
         ref = model.run_layers(x, pos, ref_cache, ref_cache.attention_mask(None, T), taps=(0,), seen=[])
         for out in outs:
-            assert torch.equal(out, outs[0]), T
+            assert torch.equal(out, outs[0]), (T, float((out - outs[0]).abs().max()))
             torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
 
 
@@ -175,6 +176,27 @@ def test_segments_with_one_numba_thread_equal_their_lone_passes(model: Llama) ->
     for _ in range(3):
         check_segmented(model, [5, 9, 13], [(0, chain(4)), (1, chain(6)), (2, chain(3))])
         check_segmented(model, [7, 4], [(0, chain(8)), (1, tree)])
+
+
+def test_the_kernels_divide_exactly_in_every_copy_of_a_loop() -> None:
+    # A vectorised loop has a scalar copy for its tail and for arrays its runtime checks find too close;
+    # with a reciprocal estimate in one copy and a true division in the other, a row's bits hung on where
+    # its arrays lay in memory (the one-thread test above failed on an AVX2 host). Compiled afresh here:
+    # numba shows no machine code for functions it loaded from its disk cache.
+    NB, D, n_heads, n_kv, T = cpu_kernels.kernels().isa.panel, 16, 4, 2, 3
+    f32 = np.float32
+    calls = [(cpu_layer._silu_mul, (np.ones((T, 2 * 40), f32), 40, np.empty((T, 40), f32))),
+             (cpu_layer._attend, (np.ones((T, (n_heads + 2 * n_kv) * D), f32), np.ones((T, D // 2, 2), f32),
+                                  np.zeros((n_kv, 64, D), f32), np.zeros((n_kv, 64, D), f32),
+                                  np.zeros((n_kv, 64 // NB, D, NB), f32), np.zeros((n_kv, -(-D // NB), 64, NB), f32),
+                                  0, np.ones((T, T), np.bool_), True, n_heads, n_kv, D,
+                                  np.zeros((T, n_heads * D), f32), cpu_kernels.kernels().by_kind["fp32"]))]
+    for fn, args in calls:
+        fresh = numba.njit(**{k: v for k, v in fn.targetoptions.items() if k not in ("cache", "nopython")})(fn.py_func)
+        fresh(*args)
+        asm = "\n".join(fresh.inspect_asm().values())
+        assert "div" in asm, fn.__name__  # the division is there to find
+        assert not re.search(r"\b(v?rcp\w*|frecpe)\b", asm), f"{fn.__name__} divides by a reciprocal estimate"
 
 
 def poison(cache: KVCache, b: int, start: int, value: float) -> None:

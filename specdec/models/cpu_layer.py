@@ -55,6 +55,11 @@ if cpu_kernels.available():
     # whatever their number, or a token's output would depend on how many tokens share its pass.
     _IN_ORDER = {"nnan", "ninf", "nsz", "arcp", "contract", "afn"}
     _MASKED = np.float32(-1e30)  # a finite "minus infinity": fast-math code may assume no infinities
+    # Every flag but the approximate ones (arcp, afn) for loops that divide: with them LLVM divides in a
+    # vectorised loop body by a reciprocal estimate (vrcpps and a Newton step, on AVX2) and in its scalar
+    # copy exactly, and which copy runs can hang on the arrays' addresses (its runtime overlap checks), so
+    # a pass's bits varied from run to run on AVX2 hosts (the CI's, 2026-12-04).
+    _EXACT_DIV = {"nnan", "ninf", "nsz", "contract", "reassoc"}
 
     @njit(fastmath=_IN_ORDER, cache=True)
     def _row_sums(x, n, totals):  # pragma: no cover - compiled
@@ -69,7 +74,7 @@ if cpu_kernels.available():
 
     # Not cached on disk, nor is layer_forward: both hold parallel loops and are compiled with
     # stack_forward, which is (see cpu_kernels.mm_into_nested).
-    @njit(parallel=True, fastmath=True, error_model="numpy")
+    @njit(parallel=True, fastmath=_EXACT_DIV, error_model="numpy")
     def _attend(qkv, rope, keys, values, key_panels, value_panels, start, mask, use_mask,  # pragma: no cover
                 n_heads, n_kv, head_dim, out, tiles):
         # qkv (T, (H + 2 Hkv) D) rows of new tokens; rope (T, D/2, 2) cos/sin; keys, values (Hkv, S_max, D)
@@ -170,7 +175,7 @@ if cpu_kernels.available():
                 for d in range(head_dim):
                     out[t, h * head_dim + d] = sums[g, r, d] / totals[r - r0]
 
-    @njit(fastmath=True, error_model="numpy", cache=True)
+    @njit(fastmath=_EXACT_DIV, error_model="numpy", cache=True)
     def _silu_mul(gate_up, hidden, out):  # pragma: no cover - compiled
         for t in range(gate_up.shape[0]):
             for i in range(hidden):
