@@ -2,7 +2,8 @@
 where the target's pass has pushed the heads' weights out of the caches): the residual blocks in torch
 against the blocks on the CPU kernels (`MedusaHeads.use_cpu_kernels`, float32), each with the int8
 projection and the shipped tree's needs (top 2 of the first 2 heads), on the hidden states of varied
-4-token passes. Interleaved; prints medians in ms and how often both give the same candidates. A benchmark, not a test: run it on an idle machine.
+4-token passes. Interleaved; prints medians in ms and how often both give the same candidates. A benchmark,
+not a test: run it on an idle machine.
 
     python experiments/medusa_step_times.py [context] [samples]
 """
