@@ -36,7 +36,9 @@ def drafter(tiny_target: LoadedModel, tmp_path_factory: pytest.TempPathFactory) 
 
 
 @pytest.mark.parametrize("kw", [{"depth": 3, "topk": 3, "nodes": 6}, {"depth": 4, "topk": 2, "nodes": 10},
-                                {"depth": 3, "topk": 3, "nodes": 8, "size": "cost"}], ids=["3x3", "4x2", "cost"])
+                                {"depth": 3, "topk": 3, "nodes": 8, "size": "cost"},
+                                {"depth": 4, "topk": 3, "nodes": 4, "size": "cost", "grow": "useful"}],
+                         ids=["3x3", "4x2", "cost", "cost-useful"])
 def test_eagle2_reproduces_greedy(tiny_target: LoadedModel, drafter: Path, kw: dict[str, Any]) -> None:
     strategy = Eagle2(tiny_target, "eagle2", load_eagle(str(drafter)), max_len=512, prefill_chunk=64, **kw)
     if strategy.costs is not None:  # measured on ~1 ms passes, noise could price every node out: a known curve
@@ -65,6 +67,23 @@ def test_trees_are_well_formed_and_the_caches_stay_right(tiny_target: LoadedMode
         assert isinstance(proposer, EagleTreeProposer)
         assert proposer.cache.lengths[0] == proposer.fed == len(state.ids) - 1 - len(proposer.pending)  # type: ignore[arg-type]
     assert wide > 0  # real trees, not chains
+
+
+def test_growing_only_useful_depths_verifies_the_same_trees_with_fewer_passes(tiny_target: LoadedModel,
+                                                                              drafter: Path) -> None:
+    """size=fixed: a depth whose surest node is not among the `nodes` best cannot add a verified node (no
+    child outscores its parent), so grow=useful skips its pass and every round verifies the same tree."""
+    passes = {}
+    results = {}
+    for grow in ("all", "useful"):
+        strategy = Eagle2(tiny_target, "eagle2", load_eagle(str(drafter)), depth=4, topk=2, nodes=5, max_len=512,
+                          grow=grow)
+        runs = [strategy.generate(prompt_ids(tiny_target, text), GenerationParams(40), 0) for text in TEXTS]
+        assert strategy.last_proposer is not None
+        results[grow] = [(r.output_ids, r.accept_lengths, r.proposed) for r in runs]
+        passes[grow] = strategy.last_proposer.passes  # type: ignore[attr-defined]
+    assert results["useful"] == results["all"]
+    assert 0 < passes["useful"] < passes["all"]
 
 
 def test_a_one_wide_tree_is_the_chain(tiny_target: LoadedModel, drafter: Path) -> None:
@@ -155,7 +174,7 @@ def test_sampling_preserves_the_target_distribution(tiny_target: LoadedModel, dr
 
 
 def test_bad_settings_are_refused(tiny_target: LoadedModel, drafter: Path) -> None:
-    for bad in ({"depth": 0}, {"topk": 0}, {"nodes": 0}, {"size": "big"}):
+    for bad in ({"depth": 0}, {"topk": 0}, {"nodes": 0}, {"size": "big"}, {"grow": "some"}):
         with pytest.raises(SpecdecError) as err:
             Eagle2(tiny_target, "eagle2", load_eagle(str(drafter)), max_len=128, **bad)  # type: ignore[arg-type]
         assert "\n" not in str(err.value) and "eagle2" in str(err.value)

@@ -8,7 +8,10 @@ is the product of the drafter's probabilities along its path, which EAGLE-2 foun
 target accepts it. After `depth` passes every node drafted is reranked by score and the best ones are
 verified in one target pass: `nodes` of them, or (`size=cost`) the prefix with the most expected tokens
 per unit of the measured verification cost. Children never score above their parents, so the kept set
-is a tree.
+is a tree. `grow=useful` stops growing at the first depth whose surest node would not be verified (not in
+the set just described): no descendant scores higher, so under `size=fixed` the tree verified is the
+same with fewer drafter passes; under `size=cost` the set could grow with better candidates, so there it
+is a close approximation.
 
 Lossless: greedy tree verification at temperature 0; above it the tree's nodes are fixed choices, not
 draws, so verification uses the exact rule for deterministic candidates (`specdec.verify.verify_deterministic`:
@@ -52,9 +55,11 @@ class EagleTreeProposer(EagleProposer):
     """EAGLE's pair bookkeeping (catch-up on real features, rollback of guesses) with a dynamic tree."""
 
     def __init__(self, net: EagleDraftNet, cache: KVCache, depth: int, topk: int, nodes: int,
-                 room: Callable[[], int], costs: list[float] | None, static: StaticStep | None = None) -> None:
+                 room: Callable[[], int], costs: list[float] | None, static: StaticStep | None = None,
+                 grow: str = "all") -> None:
         super().__init__(net, cache, _NO_ROUND, static=static)  # type: ignore[arg-type]
-        self.depth, self.topk, self.nodes, self.costs = depth, topk, nodes, costs
+        self.depth, self.topk, self.nodes, self.costs, self.grow = depth, topk, nodes, costs, grow
+        self.passes = 0  # drafter passes over the tree (catch-up passes not counted)
         self.room_fn = room
         self.root_feature: Tensor | None = None  # (D,) the drafter's guess of the root's feature
 
@@ -114,6 +119,9 @@ class EagleTreeProposer(EagleProposer):
         frontier = list(range(len(tree)))  # indices of the newest depth's nodes
         for _ in range(depth - 1):
             best = sorted(frontier, key=lambda i: -tree[i].score)[:self.topk]  # EAGLE-2: expand the surest
+            if self.grow == "useful" and best[0] not in self._kept(tree, budget):
+                break  # nothing below the surest frontier node would be verified
+            self.passes += 1
             ids, logps = self._children(self._expand([tree[i] for i in best], tree, L - 1, self.fed))
             frontier = []
             for at, kid_ids, kid_lps in zip(best, ids, logps):
@@ -123,16 +131,22 @@ class EagleTreeProposer(EagleProposer):
                     tree.append(Node(t, at, parent.score + lp, parent.depth + 1))
         return self._proposal(tree, budget)
 
-    def _proposal(self, tree: list[Node], budget: int) -> Proposal | None:
-        # rerank: a child never outscores its parent, and ties go to the shallower node, so any prefix is a tree
+    def _kept(self, tree: list[Node], budget: int) -> list[int]:
+        """Indices of the nodes to verify, best first: the `budget` best by score (a child never outscores
+        its parent and ties go to the shallower node, so any prefix is a tree), cut (`size=cost`) to the
+        prefix with the most expected tokens per measured pass cost."""
         order = sorted(range(len(tree)), key=lambda i: (-tree[i].score, tree[i].depth))[:budget]
-        if self.costs is not None:  # the prefix with the most expected tokens per measured pass cost
+        if self.costs is not None:
             best, best_rate, expected = 0, 1.0, 1.0
             for n, i in enumerate(order, start=1):
                 expected += math.exp(tree[i].score)
                 if expected / self.costs[n + 1] > best_rate:
                     best, best_rate = n, expected / self.costs[n + 1]
             order = order[:best]
+        return order
+
+    def _proposal(self, tree: list[Node], budget: int) -> Proposal | None:
+        order = self._kept(tree, budget)
         if not order:
             return None
         order.sort(key=lambda i: (tree[i].depth, -tree[i].score))  # parents before children
@@ -153,19 +167,21 @@ _NO_ROUND = _NoRound()
 
 class Eagle2(EagleStrategy):
     """EAGLE's drafter with EAGLE-2's dynamic tree: `depth` drafter passes, `topk` nodes expanded per depth
-    and children per node, the best `nodes` verified (`size=cost`: as many of them as pay for their pass)."""
+    and children per node, the best `nodes` verified (`size=cost`: as many of them as pay for their pass;
+    `grow=useful`: no pass for a depth none of whose nodes could be verified)."""
 
     def __init__(self, target: object, name: str, drafter: TrainedEagle | EagleDraftNet, depth: int = 4,
                  topk: int = 4, nodes: int = 8, size: str = "fixed", max_len: int = 2048,
-                 prefill_chunk: int = 512) -> None:
-        if depth < 1 or topk < 1 or nodes < 1 or size not in ("fixed", "cost"):
-            raise SpecdecError(f"strategy=eagle2 needs depth >= 1, topk >= 1, nodes >= 1 and size fixed or cost; "
-                               f"got depth={depth}, topk={topk}, nodes={nodes}, size={size!r}")
+                 prefill_chunk: int = 512, grow: str = "all") -> None:
+        if depth < 1 or topk < 1 or nodes < 1 or size not in ("fixed", "cost") or grow not in ("all", "useful"):
+            raise SpecdecError(f"strategy=eagle2 needs depth >= 1, topk >= 1, nodes >= 1, size fixed or cost and "
+                               f"grow all or useful; got depth={depth}, topk={topk}, nodes={nodes}, size={size!r}, "
+                               f"grow={grow!r}")
         super().__init__(target, name, drafter, FixedLength(depth), max_len, prefill_chunk)
         if not getattr(self.engine, "supports_trees", False):
             raise SpecdecError(f"strategy=eagle2 verifies token trees, which needs the compact model; {name} runs "
                                "through transformers: use strategy=eagle (chains)")
-        self.depth, self.topk, self.nodes = depth, topk, nodes
+        self.depth, self.topk, self.nodes, self.grow = depth, topk, nodes, grow
         self.costs: list[float] | None = None
         if size == "cost":
             measured = pass_cost_curve(self.engine, list(range(2, nodes + 2)))
@@ -176,5 +192,5 @@ class Eagle2(EagleStrategy):
     def make_proposer(self) -> Proposer:
         room = lambda: self.engine.max_len - self.engine.length - 1  # noqa: E731
         self.last_proposer = EagleTreeProposer(self.net, self.cache, self.depth, self.topk, self.nodes, room,
-                                               self.costs, static=self.static)
+                                               self.costs, static=self.static, grow=self.grow)
         return self.last_proposer
