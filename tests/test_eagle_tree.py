@@ -37,8 +37,9 @@ def drafter(tiny_target: LoadedModel, tmp_path_factory: pytest.TempPathFactory) 
 
 @pytest.mark.parametrize("kw", [{"depth": 3, "topk": 3, "nodes": 6}, {"depth": 4, "topk": 2, "nodes": 10},
                                 {"depth": 3, "topk": 3, "nodes": 8, "size": "cost"},
-                                {"depth": 4, "topk": 3, "nodes": 4, "size": "cost", "grow": "useful"}],
-                         ids=["3x3", "4x2", "cost", "cost-useful"])
+                                {"depth": 4, "topk": 3, "nodes": 4, "size": "cost", "grow": "useful"},
+                                {"depth": 4, "topk": 3, "nodes": 6, "size": "cost", "estimate": "observed"}],
+                         ids=["3x3", "4x2", "cost", "cost-useful", "cost-observed"])
 def test_eagle2_reproduces_greedy(tiny_target: LoadedModel, drafter: Path, kw: dict[str, Any]) -> None:
     strategy = Eagle2(tiny_target, "eagle2", load_eagle(str(drafter)), max_len=512, prefill_chunk=64, **kw)
     if strategy.costs is not None:  # measured on ~1 ms passes, noise could price every node out: a known curve
@@ -49,6 +50,9 @@ def test_eagle2_reproduces_greedy(tiny_target: LoadedModel, drafter: Path, kw: d
         res = strategy.generate(prompt, GenerationParams(40), 0)
         assert res.output_ids == greedy.generate(prompt, GenerationParams(40), 0).output_ids
         assert res.proposed > 0
+    if strategy.observed is not None:  # the run's acceptance moved the estimate off the prior
+        assert strategy.observed.accepted > 20 and strategy.observed.predicted > 20
+        assert strategy.observed.scale() != 1.0
 
 
 def test_trees_are_well_formed_and_the_caches_stay_right(tiny_target: LoadedModel, drafter: Path) -> None:
@@ -174,7 +178,8 @@ def test_sampling_preserves_the_target_distribution(tiny_target: LoadedModel, dr
 
 
 def test_bad_settings_are_refused(tiny_target: LoadedModel, drafter: Path) -> None:
-    for bad in ({"depth": 0}, {"topk": 0}, {"nodes": 0}, {"size": "big"}, {"grow": "some"}):
+    for bad in ({"depth": 0}, {"topk": 0}, {"nodes": 0}, {"size": "big"}, {"grow": "some"},
+                {"estimate": "guess"}):
         with pytest.raises(SpecdecError) as err:
             Eagle2(tiny_target, "eagle2", load_eagle(str(drafter)), max_len=128, **bad)  # type: ignore[arg-type]
         assert "\n" not in str(err.value) and "eagle2" in str(err.value)

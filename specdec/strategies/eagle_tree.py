@@ -11,7 +11,9 @@ per unit of the measured verification cost. Children never score above their par
 is a tree. `grow=useful` stops growing at the first depth whose surest node would not be verified (not in
 the set just described): no descendant scores higher, so under `size=fixed` the tree verified is the
 same with fewer drafter passes; under `size=cost` the set could grow with better candidates, so there it
-is a close approximation.
+is a close approximation. `estimate=observed` rescales the path probabilities in that expected-token
+count by what the target has accepted so far in the run (at temperature 0 it accepts a drafter that
+matches its distribution more often than that distribution's probability of the drafted token).
 
 Lossless: greedy tree verification at temperature 0; above it the tree's nodes are fixed choices, not
 draws, so verification uses the exact rule for deterministic candidates (`specdec.verify.verify_deterministic`:
@@ -30,7 +32,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from specdec.engine.engine import pass_cost_curve
+from specdec.engine.engine import ForwardOut, pass_cost_curve
 from specdec.engine.kv_cache import KVCache
 from specdec.engine.static_step import BUCKETS, StaticStep
 from specdec.errors import SpecdecError
@@ -38,7 +40,7 @@ from specdec.ngram import as_tokens
 from specdec.strategies.base import DecodeState, Proposer
 from specdec.strategies.draft import FixedLength
 from specdec.strategies.eagle import EagleDraftNet, EagleProposer, EagleStrategy, TrainedEagle
-from specdec.verify import Proposal
+from specdec.verify import Proposal, Verdict
 
 
 @dataclass
@@ -51,14 +53,32 @@ class Node:
     feature: Tensor | None = field(default=None, repr=False)  # (D,) guessed feature after it, once expanded
 
 
+@dataclass
+class Observed:
+    """Accepted tokens against the sum of the verified nodes' path probabilities, over a run (starting from
+    `prior` tokens taken at face value); `scale` is their ratio, kept within [0.5, 2]."""
+
+    accepted: float = 20.0
+    predicted: float = 20.0
+
+    def scale(self) -> float:
+        return min(2.0, max(0.5, self.accepted / self.predicted))
+
+    def update(self, predicted: float, accepted: int) -> None:
+        self.predicted += predicted
+        self.accepted += accepted
+
+
 class EagleTreeProposer(EagleProposer):
     """EAGLE's pair bookkeeping (catch-up on real features, rollback of guesses) with a dynamic tree."""
 
     def __init__(self, net: EagleDraftNet, cache: KVCache, depth: int, topk: int, nodes: int,
                  room: Callable[[], int], costs: list[float] | None, static: StaticStep | None = None,
-                 grow: str = "all") -> None:
+                 grow: str = "all", observed: Observed | None = None) -> None:
         super().__init__(net, cache, _NO_ROUND, static=static)  # type: ignore[arg-type]
         self.depth, self.topk, self.nodes, self.costs, self.grow = depth, topk, nodes, costs, grow
+        self.observed = observed  # None: path probabilities at face value
+        self.predicted = 0.0  # the last proposal's summed path probabilities
         self.passes = 0  # drafter passes over the tree (catch-up passes not counted)
         self.room_fn = room
         self.root_feature: Tensor | None = None  # (D,) the drafter's guess of the root's feature
@@ -137,9 +157,10 @@ class EagleTreeProposer(EagleProposer):
         prefix with the most expected tokens per measured pass cost."""
         order = sorted(range(len(tree)), key=lambda i: (-tree[i].score, tree[i].depth))[:budget]
         if self.costs is not None:
+            scale = self.observed.scale() if self.observed is not None else 1.0
             best, best_rate, expected = 0, 1.0, 1.0
             for n, i in enumerate(order, start=1):
-                expected += math.exp(tree[i].score)
+                expected += min(1.0, scale * math.exp(tree[i].score))
                 if expected / self.costs[n + 1] > best_rate:
                     best, best_rate = n, expected / self.costs[n + 1]
             order = order[:best]
@@ -147,12 +168,19 @@ class EagleTreeProposer(EagleProposer):
 
     def _proposal(self, tree: list[Node], budget: int) -> Proposal | None:
         order = self._kept(tree, budget)
+        self.predicted = sum(math.exp(tree[i].score) for i in order)
         if not order:
             return None
         order.sort(key=lambda i: (tree[i].depth, -tree[i].score))  # parents before children
         index = {i: k + 1 for k, i in enumerate(order)}
         parents = [index[tree[i].parent] if tree[i].parent >= 0 else 0 for i in order]
         return Proposal(as_tokens([tree[i].token for i in order]), parents)
+
+
+    def commit(self, state: DecodeState, verdict: Verdict, out: ForwardOut) -> None:
+        if self.observed is not None and self.predicted > 0:
+            self.observed.update(self.predicted, len(verdict.nodes))
+        super().commit(state, verdict, out)
 
 
 class _NoRound:
@@ -172,16 +200,18 @@ class Eagle2(EagleStrategy):
 
     def __init__(self, target: object, name: str, drafter: TrainedEagle | EagleDraftNet, depth: int = 4,
                  topk: int = 4, nodes: int = 8, size: str = "fixed", max_len: int = 2048,
-                 prefill_chunk: int = 512, grow: str = "all") -> None:
-        if depth < 1 or topk < 1 or nodes < 1 or size not in ("fixed", "cost") or grow not in ("all", "useful"):
-            raise SpecdecError(f"strategy=eagle2 needs depth >= 1, topk >= 1, nodes >= 1, size fixed or cost and "
-                               f"grow all or useful; got depth={depth}, topk={topk}, nodes={nodes}, size={size!r}, "
-                               f"grow={grow!r}")
+                 prefill_chunk: int = 512, grow: str = "all", estimate: str = "drafter") -> None:
+        if (depth < 1 or topk < 1 or nodes < 1 or size not in ("fixed", "cost") or grow not in ("all", "useful")
+                or estimate not in ("drafter", "observed")):
+            raise SpecdecError(f"strategy=eagle2 needs depth >= 1, topk >= 1, nodes >= 1, size fixed or cost, grow "
+                               f"all or useful and estimate drafter or observed; got depth={depth}, topk={topk}, "
+                               f"nodes={nodes}, size={size!r}, grow={grow!r}, estimate={estimate!r}")
         super().__init__(target, name, drafter, FixedLength(depth), max_len, prefill_chunk)
         if not getattr(self.engine, "supports_trees", False):
             raise SpecdecError(f"strategy=eagle2 verifies token trees, which needs the compact model; {name} runs "
                                "through transformers: use strategy=eagle (chains)")
         self.depth, self.topk, self.nodes, self.grow = depth, topk, nodes, grow
+        self.observed = Observed() if estimate == "observed" else None  # shared by the run's proposers
         self.costs: list[float] | None = None
         if size == "cost":
             measured = pass_cost_curve(self.engine, list(range(2, nodes + 2)))
@@ -192,5 +222,6 @@ class Eagle2(EagleStrategy):
     def make_proposer(self) -> Proposer:
         room = lambda: self.engine.max_len - self.engine.length - 1  # noqa: E731
         self.last_proposer = EagleTreeProposer(self.net, self.cache, self.depth, self.topk, self.nodes, room,
-                                               self.costs, static=self.static, grow=self.grow)
+                                               self.costs, static=self.static, grow=self.grow,
+                                               observed=self.observed)
         return self.last_proposer
