@@ -55,8 +55,8 @@ class Node:
 
 @dataclass
 class Observed:
-    """Accepted tokens against the sum of the verified nodes' path probabilities, over a run (starting from
-    `prior` tokens taken at face value); `scale` is their ratio, kept within [0.5, 2]."""
+    """Accepted tokens against the sum of the verified nodes' path probabilities, over a run; `scale` is their
+    ratio, kept within [0.5, 2]. Both start at 20 tokens, so the first rounds take probabilities at face value."""
 
     accepted: float = 20.0
     predicted: float = 20.0
@@ -168,14 +168,14 @@ class EagleTreeProposer(EagleProposer):
 
     def _proposal(self, tree: list[Node], budget: int) -> Proposal | None:
         order = self._kept(tree, budget)
-        self.predicted = sum(math.exp(tree[i].score) for i in order)
+        if self.observed is not None:
+            self.predicted = sum(math.exp(tree[i].score) for i in order)
         if not order:
             return None
         order.sort(key=lambda i: (tree[i].depth, -tree[i].score))  # parents before children
         index = {i: k + 1 for k, i in enumerate(order)}
         parents = [index[tree[i].parent] if tree[i].parent >= 0 else 0 for i in order]
         return Proposal(as_tokens([tree[i].token for i in order]), parents)
-
 
     def commit(self, state: DecodeState, verdict: Verdict, out: ForwardOut) -> None:
         if self.observed is not None and self.predicted > 0:
