@@ -112,6 +112,7 @@ class Options:
     context: int = 256  # cached tokens before each verification pass, and the speed prompts' length
     ks: list[int] = field(default_factory=lambda: [1, 2, 4, 8, 16, 32, 64])
     reps: int = 5
+    batches: list[int] = field(default_factory=lambda: [1, 4, 16])  # slots of the batched speed cases
     samples: int = 2000  # draws per chi-square test
     sampling_seed: int = 1234  # the chi-square tests' generator
     budget_s: float = 440.0
@@ -413,6 +414,34 @@ def check_sampled_turns(models: Models) -> dict[str, Any]:
     return out
 
 
+BATCHED = ("greedy", "draft_random", "prompt_lookup", "eagle_random", "medusa")  # the batchable ones
+BATCH = 3  # slots: fewer than the prompts, so a finished slot takes the next conversation mid-run
+
+
+def batched_outputs(strategy: Strategy, prompts: list[list[int]], params: GenerationParams,
+                    batch: int) -> list[list[int]]:
+    """Each prompt's output when `batch` slots decode them together (continuous batching)."""
+    from specdec.strategies.batched import Job
+
+    outs: dict[int, list[int]] = {}
+    jobs = [Job(1, lambda t, p=p: p, lambda t: 0, lambda t, ids, res, i=i: outs.__setitem__(i, res.output_ids))
+            for i, p in enumerate(prompts)]
+    strategy.batch_decoder(batch, params).run(jobs)  # type: ignore[attr-defined]
+    return [outs[i] for i in range(len(prompts))]
+
+
+def check_batched(models: Models, name: str, dtype: str) -> dict[str, Any]:
+    """The strategy's batched decoder (eager, ragged acceptance per slot) on the device gives greedy's output."""
+    target = models.tiny(dtype, False)
+    strategy = strategy_builders(models, dtype, False)[name](target)
+    want, ref = models.reference_outputs(dtype), models.reference(dtype)
+    got = batched_outputs(strategy, models.prompts(), models.check_params(), BATCH)
+    worst = max([max(deficits(ref, p, g)) for p, g, w in zip(models.prompts(), got, want) if g != w], default=0.0)
+    return {"identical": sum(g == w for g, w in zip(got, want)) / len(want), "max_deficit": worst,
+            "tie_tolerance": TIE[dtype], "slots": BATCH, "prompts": len(want),
+            "passed": worst <= TIE[dtype] and all(len(g) == models.opt.check_tokens for g in got)}
+
+
 # --- speed ------------------------------------------------------------------------------------------
 
 
@@ -461,6 +490,23 @@ def speed_decode(models: Models, name: str) -> dict[str, Any]:
     engine = getattr(s, "engine", None)
     r["how"] = describe(engine) if engine is not None else f"transformers {getattr(s, 'peer', '')}".strip()
     return r
+
+
+def speed_batch(models: Models, batch: int) -> dict[str, Any]:
+    """Greedy over `batch` slots of the big model (eager): decode tokens/s summed over the slots."""
+    from specdec.strategies.greedy import Greedy
+
+    target, params = models.big(), models.speed_params()
+    vocab = SHAPES[models.opt.shape]["vocab_size"]
+    prompts = [[(i * 7919 + j * 104729) % (vocab - 3) + 3 for i in range(models.opt.context)] for j in range(batch)]
+    strategy = Greedy(target, "greedy", models.speed_max_len())
+    batched_outputs(strategy, prompts[:batch], GenerationParams(8, eos_ids=()), batch)  # warm-up
+    start = clock(models.dev)
+    outs = batched_outputs(strategy, prompts, params, batch)
+    seconds = clock(models.dev) - start
+    tokens = sum(len(o) for o in outs)
+    return {"slots": batch, "tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds,
+            "ms_per_step": 1e3 * seconds / params.max_new_tokens, "prefill_included": True}
 
 
 def speed_verification(models: Models, ks: list[int], compiled: bool) -> dict[str, Any]:
@@ -530,6 +576,10 @@ def all_cases(models: Models) -> list[Case]:
     for d in ("greedy_eager", "hf_eager"):
         add(f"speed/decode/{d}", speed_decode, d)
     add("speed/verification/eager", speed_verification, opt.ks, False)
+    for s in BATCHED:
+        add(f"batch/fp32/{s}", check_batched, s, "fp32")
+    for b in opt.batches:
+        add(f"speed/batch/b{b}", speed_batch, b)
     for s in DRAFTERS:
         add(f"speed/drafting/{s}", speed_drafting, s)
 
@@ -670,12 +720,15 @@ def to_markdown(r: dict[str, Any]) -> str:
                   "Each cell: share of outputs identical to the reference (fp32: CPU greedy; bf16: the device's "
                   "eager bf16 greedy) and, in brackets, the largest logit deficit of an output token below the "
                   f"reference's argmax (ties up to {TIE['fp32']:g} in fp32, {TIE['bf16']:g} in bf16 pass).", "",
-                  "| strategy | " + " | ".join(f"{d} {m}" for d, m in cols) + " |", "|---" * (len(cols) + 1) + "|"]
+                  f"The batched column: {BATCH} slots decoding the prompts together (eager), against CPU fp32 greedy.",
+                  "", "| strategy | " + " | ".join(f"{d} {m}" for d, m in cols) + " | fp32 batched |",
+                  "|---" * (len(cols) + 2) + "|"]
         for name in strategies:
-            lines.append(f"| {name} | " + " | ".join(_cell(cases.get(f"correct/{d}/{m}/{name}")) for d, m in cols)
-                         + " |")
+            cells = [_cell(cases.get(f"correct/{d}/{m}/{name}")) for d, m in cols]
+            cells.append(_cell(cases.get(f"batch/fp32/{name}")))
+            lines.append(f"| {name} | " + " | ".join(cells) + " |")
         lines.append("")
-    other = {k: v for k, v in cases.items() if not k.startswith(("correct/", "speed/"))}
+    other = {k: v for k, v in cases.items() if not k.startswith(("correct/", "speed/", "batch/"))}
     if other:
         lines += ["## Tree pass and sampling", "", "| case | status | figures |", "|---|---|---|"]
         for k, v in other.items():
@@ -739,6 +792,14 @@ def _speed_markdown(cases: dict[str, dict[str, Any]]) -> list[str]:
                 v = ver[m]
                 cells += [f"{v['ms'][k]:.2f}", f"{v['ratio'][k]:.2f}"] if k in v.get("ms", {}) else ["", ""]
             lines.append(f"| {k} | " + " | ".join(cells) + " |")
+    batches = {k: c for k, c in cases.items() if k.startswith("speed/batch/")}
+    if batches:
+        lines += ["", "| greedy, batched (eager) | tokens/s, all slots | ms per step | tokens/s per slot |",
+                  "|---|---|---|---|"]
+        for k, c in batches.items():
+            r = c.get("result") or {}
+            lines.append(f"| {r['slots']} slots | {r['tokens_per_s']:.1f} | {r['ms_per_step']:.2f} | "
+                         f"{r['tokens_per_s'] / r['slots']:.1f} |" if r else f"| {k} | {c['status']} | | |")
     drafts = {k.rsplit("/", 1)[1]: v for k, v in cases.items() if k.startswith("speed/drafting/")}
     if drafts:
         lines += ["", "| strategy | drafting ms/step | target step ms | draft / target |", "|---|---|---|---|"]
@@ -763,6 +824,7 @@ def parse(argv: list[str] | None) -> Options:
     p.add_argument("--context", type=int, help="speed prompts' length and the verification context (8b 256, tiny 32)")
     p.add_argument("--ks", help="verification pass sizes (8b 1,2,4,8,16,32,64; tiny 1,2,4)")
     p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--batches", help="slots of the batched speed cases (8b 1,4,16; tiny 1,4)")
     p.add_argument("--samples", type=int, default=2000, help="draws per chi-square test")
     p.add_argument("--sampling-seed", type=int, default=1234, help="the chi-square tests' generator seed")
     p.add_argument("--budget-s", type=float, help="stop starting cases after this many seconds (cuda 440)")
@@ -782,6 +844,7 @@ def parse(argv: list[str] | None) -> Options:
         new_tokens=a.new_tokens or (64 if big else 16), rounds=a.rounds, speed_prompts=2,
         context=a.context or (256 if big else 32),
         ks=[int(k) for k in (a.ks or ("1,2,4,8,16,32,64" if big else "1,2,4")).split(",")], reps=a.reps,
+        batches=[int(b) for b in (a.batches or ("1,4,16" if big else "1,4")).split(",")],
         samples=a.samples, sampling_seed=a.sampling_seed,
         budget_s=a.budget_s if a.budget_s is not None else (440.0 if not cpu else 900.0),
         case_timeout_s=a.case_timeout_s,

@@ -23,7 +23,7 @@ def _read(out: Path) -> dict[str, Any]:
 def test_gpu_check_on_cpu_tiny_shape_passes_every_case(tmp_path: Path) -> None:
     # small counts; inductor compiles each token bucket of each model for tens of seconds on a busy CPU,
     # so the compiled cases here are greedy's (one bucket per model); the CLI's defaults run more
-    rc = main(["--device", "cpu", "--shape", "tiny", "--out", str(tmp_path), "--check-tokens", "8", "--prompts", "1",
+    rc = main(["--device", "cpu", "--shape", "tiny", "--out", str(tmp_path), "--check-tokens", "8", "--prompts", "4",
                "--new-tokens", "6", "--context", "16", "--ks", "1,2", "--reps", "2", "--samples", "600",
                "--compiled-strategies", "greedy", "--skip", "correct/bf16/compiled/*,tree/*/compiled,"
                "speed/verification/compiled/*"])
@@ -39,6 +39,10 @@ def test_gpu_check_on_cpu_tiny_shape_passes_every_case(tmp_path: Path) -> None:
     assert not any(k.startswith("tree/") and k.endswith("/compiled") for k in r["cases"])  # --skip
     assert {f"speed/decode/{d}" for d in gpu_check.DECODERS} <= set(r["cases"])
     assert {f"speed/drafting/{d}" for d in gpu_check.DRAFTERS} <= set(r["cases"])
+    assert {f"speed/batch/b{b}" for b in (1, 4)} <= set(r["cases"])
+    for s in gpu_check.BATCHED:  # continuous batching reproduces the CPU's greedy, slot reuse included
+        assert r["cases"][f"batch/fp32/{s}"]["result"]["identical"] == 1.0
+    assert r["cases"]["speed/batch/b4"]["result"]["tokens"] == 4 * 6
     fp32 = r["cases"]["correct/fp32/eager/draft_random"]["result"]
     assert fp32["identical"] == 1.0 and fp32["max_deficit"] == 0.0  # on the CPU the device is the reference
     assert r["cases"]["correct/fp32/compiled/greedy"]["result"]["engine"] == "StaticEngine+compiled"
