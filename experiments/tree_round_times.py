@@ -55,7 +55,7 @@ def main(questions: int = 12, curves: int = 6, grow: str = "useful") -> None:
         print(f"  {name:22s} {seconds / rounds * 1e3:6.2f}")
     sizes = list(range(2, 10))
     for _ in range(curves):
-        curve = pass_cost_curve(tree.engine, sizes)
+        curve = pass_cost_curve(tree.engine, sizes, fresh=True)
         print("pass cost over n tokens / one:", " ".join(f"{n}:{curve[n]:.2f}" for n in sizes))
 
 

@@ -11,6 +11,7 @@ prefix the new prompt shares with the cache and feeds only the rest.
 from __future__ import annotations
 
 import sys
+import weakref
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -341,13 +342,34 @@ def _reuse_point(engine: StaticEngine | HFEngine, ids: list[int]) -> int:
     return engine.held.shared_prefix(engine.length, ids[:-1])
 
 
-def pass_cost_curve(engine: Engine, sizes: list[int], context: int = 128, reps: int = 5) -> dict[int, float]:
+# model -> {(engine kind, context): curve over 1..n}: one measurement per process, shared by every strategy
+_CURVES: weakref.WeakKeyDictionary[Any, dict[tuple[Any, ...], dict[int, float]]] = weakref.WeakKeyDictionary()
+SHARED_SIZES = 16  # the shared curve covers at least 2..16 new tokens, so most strategies' first ask fills it
+
+
+def pass_cost_curve(engine: Engine, sizes: list[int], context: int = 128, reps: int = 9,
+                    fresh: bool = False) -> dict[int, float]:
     """Time of a target pass over each number of new tokens in `sizes`, relative to one token.
 
     Strategies call this at start-up to decide how much drafting pays on the hardware they run on
-    (on a CPU a pass costs more the more tokens it feeds; on a GPU it is nearly flat)."""
-    times = pass_times(engine, [0] * min(context, engine.max_len - max(sizes) - 1), [1, *sizes], reps)
-    return {n: times[n] / times[1] for n in sizes}
+    (on a CPU a pass costs more the more tokens it feeds; on a GPU it is nearly flat). The curve is
+    measured once per model and kind of engine in a process and shared: strategies compared in one run
+    size their drafts from the same measurement, so its noise (tens of percent on a shared CPU) does not
+    differ between them. A request past the measured sizes measures the whole curve again.
+    `fresh`: measure now and share nothing (to study that noise)."""
+    if fresh:
+        order = list(dict.fromkeys([1, *sizes]))
+        times = pass_times(engine, [0] * min(context, engine.max_len - max(sizes) - 1), order, reps)
+        return {n: times[n] / times[1] for n in sizes}
+    static = getattr(engine, "static", None)
+    kind = (type(engine).__name__, None if static is None else bool(getattr(static, "compiled", False)), context)
+    curves = _CURVES.setdefault(engine.model, {})
+    have = curves.get(kind, {})
+    if not all(n in have for n in sizes):
+        top = max(max(sizes), max(have, default=0), SHARED_SIZES)
+        top = max(max(sizes), min(top, engine.max_len - 2))  # a short cache caps what is measured ahead
+        have = curves[kind] = pass_cost_curve(engine, list(range(1, top + 1)), context, reps, fresh=True)
+    return {n: have[n] for n in sizes}
 
 
 def pass_times(engine: Engine, ids: list[int], sizes: list[int], reps: int = 5) -> dict[int, float]:
