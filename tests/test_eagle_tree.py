@@ -18,7 +18,7 @@ from specdec.models.loader import LoadedModel
 from specdec.strategies.base import DecodeState, GenerationParams
 from specdec.strategies.draft import FixedLength
 from specdec.strategies.eagle import EagleStrategy
-from specdec.strategies.eagle_tree import Eagle2, EagleTreeProposer
+from specdec.strategies.eagle_tree import Eagle2, EagleTreeProposer, RunCosts
 from specdec.strategies.greedy import Greedy
 from specdec.trees import children
 
@@ -38,12 +38,15 @@ def drafter(tiny_target: LoadedModel, tmp_path_factory: pytest.TempPathFactory) 
 @pytest.mark.parametrize("kw", [{"depth": 3, "topk": 3, "nodes": 6}, {"depth": 4, "topk": 2, "nodes": 10},
                                 {"depth": 3, "topk": 3, "nodes": 8, "size": "cost"},
                                 {"depth": 4, "topk": 3, "nodes": 4, "size": "cost", "grow": "useful"},
-                                {"depth": 4, "topk": 3, "nodes": 6, "size": "cost", "estimate": "observed"}],
-                         ids=["3x3", "4x2", "cost", "cost-useful", "cost-observed"])
+                                {"depth": 4, "topk": 3, "nodes": 6, "size": "cost", "estimate": "observed"},
+                                {"depth": 4, "topk": 3, "nodes": 6, "size": "cost", "curve": "run"}],
+                         ids=["3x3", "4x2", "cost", "cost-useful", "cost-observed", "cost-run"])
 def test_eagle2_reproduces_greedy(tiny_target: LoadedModel, drafter: Path, kw: dict[str, Any]) -> None:
     strategy = Eagle2(tiny_target, "eagle2", load_eagle(str(drafter)), max_len=512, prefill_chunk=64, **kw)
     if strategy.costs is not None:  # measured on ~1 ms passes, noise could price every node out: a known curve
         strategy.costs = [0.0] + [1.0 + 0.01 * n for n in range(kw["nodes"] + 1)]
+    if strategy.run_costs is not None:
+        strategy.run_costs.startup = strategy.costs
     greedy = Greedy(tiny_target, "greedy", 512, 64)
     for text in TEXTS:
         prompt = prompt_ids(tiny_target, text)
@@ -53,6 +56,26 @@ def test_eagle2_reproduces_greedy(tiny_target: LoadedModel, drafter: Path, kw: d
     if strategy.observed is not None:  # the run's acceptance moved the estimate off the prior
         assert strategy.observed.accepted > 20 and strategy.observed.predicted > 20
         assert strategy.observed.scale() != 1.0
+    if strategy.run_costs is not None:  # every round's target pass was timed, across both turns
+        assert strategy.run_costs.rounds > 5 and strategy.run_costs.means[1] > 0
+
+
+def test_run_costs_fit_the_runs_passes_once_sizes_vary() -> None:
+    startup = [0.0, 1.0, 1.3, 1.6]
+    costs = RunCosts(startup, least=10)
+    for _ in range(40):  # one size only: the slope is not identifiable, the start-up curve stays
+        costs.observe(3, 0.02)
+    assert costs.slope is None and costs.cost(2) == 1.3 and costs.cost(9) == 1.6
+    costs = RunCosts(startup, least=10)
+    for r in range(9):
+        n = 2 + r % 5
+        costs.observe(n, 0.010 + 0.0005 * (n - 1))
+    assert costs.slope is None  # fewer rounds than `least`
+    for r in range(9, 200):
+        n = 2 + r % 5
+        costs.observe(n, 0.010 + 0.0005 * (n - 1))  # t = a + b (n - 1): b / a = 0.05
+    assert costs.slope == pytest.approx(0.05, rel=1e-6)
+    assert costs.cost(1) == pytest.approx(1.0) and costs.cost(9) == pytest.approx(1.4)
 
 
 def test_trees_are_well_formed_and_the_caches_stay_right(tiny_target: LoadedModel, drafter: Path) -> None:
@@ -179,7 +202,7 @@ def test_sampling_preserves_the_target_distribution(tiny_target: LoadedModel, dr
 
 def test_bad_settings_are_refused(tiny_target: LoadedModel, drafter: Path) -> None:
     for bad in ({"depth": 0}, {"topk": 0}, {"nodes": 0}, {"size": "big"}, {"grow": "some"},
-                {"estimate": "guess"}):
+                {"estimate": "guess"}, {"curve": "later"}, {"curve": "run", "size": "fixed"}):
         with pytest.raises(SpecdecError) as err:
             Eagle2(tiny_target, "eagle2", load_eagle(str(drafter)), max_len=128, **bad)  # type: ignore[arg-type]
         assert "\n" not in str(err.value) and "eagle2" in str(err.value)

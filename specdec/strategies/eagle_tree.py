@@ -14,6 +14,9 @@ same with fewer drafter passes; under `size=cost` the set could grow with better
 is a close approximation. `estimate=observed` rescales the path probabilities in that expected-token
 count by what the target has accepted so far in the run (at temperature 0 it accepts a drafter that
 matches its distribution more often than that distribution's probability of the drafted token).
+`curve=run` replaces the start-up pass-cost curve in the `size=cost` rule by a line fitted to the run's own
+target passes once enough have been seen (`RunCosts`): the start-up curve is a few seconds' timing on a
+machine whose speed drifts.
 
 Lossless: greedy tree verification at temperature 0; above it the tree's nodes are fixed choices, not
 draws, so verification uses the exact rule for deterministic candidates (`specdec.verify.verify_deterministic`:
@@ -35,6 +38,7 @@ from torch import Tensor
 from specdec.engine.engine import ForwardOut, pass_cost_curve
 from specdec.engine.kv_cache import KVCache
 from specdec.engine.static_step import BUCKETS, StaticStep
+from specdec.engine.timing import clock
 from specdec.errors import SpecdecError
 from specdec.ngram import as_tokens
 from specdec.strategies.base import DecodeState, Proposer
@@ -69,15 +73,49 @@ class Observed:
         self.accepted += accepted
 
 
+@dataclass
+class RunCosts:
+    """A target pass over n tokens in one-token passes, `startup[n]` (the start-up curve) corrected by the
+    run's own rounds: running means of n, t, n^2 and n t over the rounds' target passes (n tokens fed, t
+    seconds from the proposal to its commit: the pass and its verification) fit t = a + b (n - 1). Once
+    `least` rounds are in and n has varied by about a token (variance > 0.25), cost(n) = 1 + (b / a)(n - 1);
+    before, the start-up curve. Plain means over the first 1 / `momentum` rounds, then exponential ones."""
+
+    startup: list[float]
+    least: int = 30
+    momentum: float = 0.01
+    rounds: int = 0
+    means: list[float] = field(default_factory=lambda: [0.0] * 4)  # E[n], E[t], E[n^2], E[n t]
+    slope: float | None = None  # b / a once fitted
+
+    def observe(self, n: int, seconds: float) -> None:
+        self.rounds += 1
+        m = max(1.0 / self.rounds, self.momentum)
+        self.means = [(1 - m) * u + m * w for u, w in zip(self.means, (n, seconds, n * n, n * seconds))]
+        mn, mt, mnn, mnt = self.means
+        var = mnn - mn * mn
+        if self.rounds >= self.least and var > 0.25:
+            b = max(0.0, (mnt - mn * mt) / var)
+            a = mt - b * (mn - 1)
+            self.slope = b / a if a > 0 else self.slope
+
+    def cost(self, n: int) -> float:
+        if self.slope is None:
+            return self.startup[min(n, len(self.startup) - 1)]
+        return 1.0 + self.slope * (n - 1)
+
+
 class EagleTreeProposer(EagleProposer):
     """EAGLE's pair bookkeeping (catch-up on real features, rollback of guesses) with a dynamic tree."""
 
     def __init__(self, net: EagleDraftNet, cache: KVCache, depth: int, topk: int, nodes: int,
                  room: Callable[[], int], costs: list[float] | None, static: StaticStep | None = None,
-                 grow: str = "all", observed: Observed | None = None) -> None:
+                 grow: str = "all", observed: Observed | None = None, run_costs: RunCosts | None = None) -> None:
         super().__init__(net, cache, _NO_ROUND, static=static)  # type: ignore[arg-type]
         self.depth, self.topk, self.nodes, self.costs, self.grow = depth, topk, nodes, costs, grow
         self.observed = observed  # None: path probabilities at face value
+        self.run_costs = run_costs  # None: the start-up curve `costs` throughout
+        self.fed_nodes, self.proposed_at = 0, 0.0  # the last proposal's size and when it was made
         self.predicted = 0.0  # the last proposal's summed path probabilities
         self.passes = 0  # drafter passes over the tree (catch-up passes not counted)
         self.room_fn = room
@@ -159,10 +197,11 @@ class EagleTreeProposer(EagleProposer):
         if self.costs is not None:
             scale = self.observed.scale() if self.observed is not None else 1.0
             best, best_rate, expected = 0, 1.0, 1.0
+            cost = self.run_costs.cost if self.run_costs is not None else self.costs.__getitem__
             for n, i in enumerate(order, start=1):
                 expected += min(1.0, scale * math.exp(tree[i].score))
-                if expected / self.costs[n + 1] > best_rate:
-                    best, best_rate = n, expected / self.costs[n + 1]
+                if expected / cost(n + 1) > best_rate:
+                    best, best_rate = n, expected / cost(n + 1)
             order = order[:best]
         return order
 
@@ -173,11 +212,16 @@ class EagleTreeProposer(EagleProposer):
         if not order:
             return None
         order.sort(key=lambda i: (tree[i].depth, -tree[i].score))  # parents before children
+        if self.run_costs is not None:  # (a clock waits for the device: only when the time is used)
+            self.fed_nodes, self.proposed_at = len(order), clock(self.net.device)
         index = {i: k + 1 for k, i in enumerate(order)}
         parents = [index[tree[i].parent] if tree[i].parent >= 0 else 0 for i in order]
         return Proposal(as_tokens([tree[i].token for i in order]), parents)
 
     def commit(self, state: DecodeState, verdict: Verdict, out: ForwardOut) -> None:
+        if self.run_costs is not None and self.fed_nodes:
+            self.run_costs.observe(1 + self.fed_nodes, clock(self.net.device) - self.proposed_at)
+            self.fed_nodes = 0
         if self.observed is not None and self.predicted > 0:
             self.observed.update(self.predicted, len(verdict.nodes))
         super().commit(state, verdict, out)
@@ -200,12 +244,16 @@ class Eagle2(EagleStrategy):
 
     def __init__(self, target: object, name: str, drafter: TrainedEagle | EagleDraftNet, depth: int = 4,
                  topk: int = 4, nodes: int = 8, size: str = "fixed", max_len: int = 2048,
-                 prefill_chunk: int = 512, grow: str = "all", estimate: str = "drafter") -> None:
+                 prefill_chunk: int = 512, grow: str = "all", estimate: str = "drafter",
+                 curve: str = "startup") -> None:
         if (depth < 1 or topk < 1 or nodes < 1 or size not in ("fixed", "cost") or grow not in ("all", "useful")
-                or estimate not in ("drafter", "observed")):
+                or estimate not in ("drafter", "observed") or curve not in ("startup", "run")):
             raise SpecdecError(f"strategy=eagle2 needs depth >= 1, topk >= 1, nodes >= 1, size fixed or cost, grow "
-                               f"all or useful and estimate drafter or observed; got depth={depth}, topk={topk}, "
-                               f"nodes={nodes}, size={size!r}, grow={grow!r}, estimate={estimate!r}")
+                               f"all or useful, estimate drafter or observed and curve startup or run; got "
+                               f"depth={depth}, topk={topk}, nodes={nodes}, size={size!r}, grow={grow!r}, "
+                               f"estimate={estimate!r}, curve={curve!r}")
+        if curve == "run" and size != "cost":
+            raise SpecdecError("strategy=eagle2 curve=run corrects the pass costs that size trees; add size=cost")
         super().__init__(target, name, drafter, FixedLength(depth), max_len, prefill_chunk)
         if not getattr(self.engine, "supports_trees", False):
             raise SpecdecError(f"strategy=eagle2 verifies token trees, which needs the compact model; {name} runs "
@@ -218,10 +266,12 @@ class Eagle2(EagleStrategy):
             self.costs = [0.0, 1.0]
             for n in range(2, nodes + 2):  # a bigger pass never counts as cheaper
                 self.costs.append(max(self.costs[-1], measured[n]))
+        # shared by the run's proposers, so the fit spans turns
+        self.run_costs = RunCosts(self.costs) if curve == "run" and self.costs is not None else None
 
     def make_proposer(self) -> Proposer:
         room = lambda: self.engine.max_len - self.engine.length - 1  # noqa: E731
         self.last_proposer = EagleTreeProposer(self.net, self.cache, self.depth, self.topk, self.nodes, room,
                                                self.costs, static=self.static, grow=self.grow,
-                                               observed=self.observed)
+                                               observed=self.observed, run_costs=self.run_costs)
         return self.last_proposer
