@@ -16,8 +16,7 @@ count by what the target has accepted so far in the run (at temperature 0 it acc
 matches its distribution more often than that distribution's probability of the drafted token).
 `curve=run` replaces the start-up pass-cost curve in the `size=cost` rule by a line fitted to the run's own
 target passes once enough have been seen (`RunCosts`): the start-up curve is a few seconds' timing on a
-machine whose speed drifts. `curve=follow` times the curve again whenever the rounds' own target passes
-drift from it (`FollowedCosts`), so it follows a machine that switches between speed states.
+machine whose speed drifts.
 
 Lossless: greedy tree verification at temperature 0; above it the tree's nodes are fixed choices, not
 draws, so verification uses the exact rule for deterministic candidates (`specdec.verify.verify_deterministic`:
@@ -30,14 +29,13 @@ per drafter pass), and the expansion passes run eager, since their mask spans th
 from __future__ import annotations
 
 import math
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
 
-from specdec.engine.engine import ForwardOut, StaticEngine, pass_cost_curve, pass_times
+from specdec.engine.engine import ForwardOut, pass_cost_curve
 from specdec.engine.kv_cache import KVCache
 from specdec.engine.static_step import BUCKETS, StaticStep
 from specdec.engine.timing import clock
@@ -107,50 +105,12 @@ class RunCosts:
         return 1.0 + self.slope * (n - 1)
 
 
-class FollowedCosts:
-    """Pass costs that follow the machine's speed state: on the shared 2-core host a one-token target pass
-    takes about 11 or 17 ms for tens of seconds at a time while an 8-token pass takes about 17 or 19 ms
-    (experiments/README.md), so a curve timed once fits one state only. `timer()` times passes over
-    1..n tokens (seconds); each round's target pass is compared with the timing of its size, and when the
-    ratio's running mean (`momentum`) drifts more than `threshold` from where it settled after the last
-    timing (its first `settle` rounds), the curve is timed again (at most once per `gap_s` seconds)."""
-
-    def __init__(self, timer: Callable[[], list[float]], threshold: float = 0.06, momentum: float = 0.25,
-                 settle: int = 5, gap_s: float = 2.0, now: Callable[[], float] = time.perf_counter) -> None:
-        self.timer, self.threshold, self.momentum, self.settle, self.gap_s, self.now = (
-            timer, threshold, momentum, settle, gap_s, now)
-        self.retimes = -1
-        self.retime()
-
-    def retime(self) -> None:
-        times = self.timer()  # times[k]: k + 1 tokens
-        self.costs = [0.0, 1.0]
-        for t in times[1:]:  # a bigger pass never counts as cheaper
-            self.costs.append(max(self.costs[-1], t / times[0]))
-        self.times, self.timed_at, self.retimes = times, self.now(), self.retimes + 1
-        self.seen, self.base, self.drift = 0, 0.0, 0.0
-
-    def cost(self, n: int) -> float:
-        return self.costs[min(n, len(self.costs) - 1)]
-
-    def observe(self, n: int, seconds: float) -> None:
-        r = math.log(seconds / self.times[min(n, len(self.times)) - 1])
-        self.seen += 1
-        if self.seen <= self.settle:  # where the rounds sit against the timing (they add verification)
-            self.base += (r - self.base) / self.seen
-            return
-        self.drift = (1 - self.momentum) * self.drift + self.momentum * (r - self.base)
-        if abs(self.drift) > math.log1p(self.threshold) and self.now() - self.timed_at > self.gap_s:
-            self.retime()
-
-
 class EagleTreeProposer(EagleProposer):
     """EAGLE's pair bookkeeping (catch-up on real features, rollback of guesses) with a dynamic tree."""
 
     def __init__(self, net: EagleDraftNet, cache: KVCache, depth: int, topk: int, nodes: int,
                  room: Callable[[], int], costs: list[float] | None, static: StaticStep | None = None,
-                 grow: str = "all", observed: Observed | None = None,
-                 run_costs: RunCosts | FollowedCosts | None = None) -> None:
+                 grow: str = "all", observed: Observed | None = None, run_costs: RunCosts | None = None) -> None:
         super().__init__(net, cache, _NO_ROUND, static=static)  # type: ignore[arg-type]
         self.depth, self.topk, self.nodes, self.costs, self.grow = depth, topk, nodes, costs, grow
         self.observed = observed  # None: path probabilities at face value
@@ -287,13 +247,13 @@ class Eagle2(EagleStrategy):
                  prefill_chunk: int = 512, grow: str = "all", estimate: str = "drafter",
                  curve: str = "startup") -> None:
         if (depth < 1 or topk < 1 or nodes < 1 or size not in ("fixed", "cost") or grow not in ("all", "useful")
-                or estimate not in ("drafter", "observed") or curve not in ("startup", "run", "follow")):
+                or estimate not in ("drafter", "observed") or curve not in ("startup", "run")):
             raise SpecdecError(f"strategy=eagle2 needs depth >= 1, topk >= 1, nodes >= 1, size fixed or cost, grow "
-                               f"all or useful, estimate drafter or observed and curve startup, run or follow; got "
+                               f"all or useful, estimate drafter or observed and curve startup or run; got "
                                f"depth={depth}, topk={topk}, nodes={nodes}, size={size!r}, grow={grow!r}, "
                                f"estimate={estimate!r}, curve={curve!r}")
-        if curve != "startup" and size != "cost":
-            raise SpecdecError(f"strategy=eagle2 curve={curve} corrects the pass costs that size trees; add size=cost")
+        if curve == "run" and size != "cost":
+            raise SpecdecError("strategy=eagle2 curve=run corrects the pass costs that size trees; add size=cost")
         super().__init__(target, name, drafter, FixedLength(depth), max_len, prefill_chunk)
         if not getattr(self.engine, "supports_trees", False):
             raise SpecdecError(f"strategy=eagle2 verifies token trees, which needs the compact model; {name} runs "
@@ -307,13 +267,7 @@ class Eagle2(EagleStrategy):
             for n in range(2, nodes + 2):  # a bigger pass never counts as cheaper
                 self.costs.append(max(self.costs[-1], measured[n]))
         # shared by the run's proposers, so the fit spans turns
-        self.run_costs: RunCosts | FollowedCosts | None = None
-        if curve == "run" and self.costs is not None:
-            self.run_costs = RunCosts(self.costs)
-        elif curve == "follow":  # timed on an engine of its own: the decoding one holds the conversation
-            timing = StaticEngine(self.engine.model, 128 + nodes + 2)
-            sizes = list(range(1, nodes + 2))
-            self.run_costs = FollowedCosts(lambda: [pass_times(timing, [0] * 128, sizes, reps=2)[n] for n in sizes])
+        self.run_costs = RunCosts(self.costs) if curve == "run" and self.costs is not None else None
 
     def make_proposer(self) -> Proposer:
         room = lambda: self.engine.max_len - self.engine.length - 1  # noqa: E731
