@@ -63,3 +63,12 @@ def test_fresh_measures_every_time_and_other_models_measure_their_own(tiny_targe
     del other
     gc.collect()  # a model that is gone takes its curve along: ids cannot alias a later model
     assert tiny_target.model in engine_mod._CURVES and len(engine_mod._CURVES) == 1
+
+
+def test_the_cpu_kernels_and_torch_matmuls_keep_separate_curves(tiny_target: LoadedModel, timer: Timer,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    engine = StaticEngine(tiny_target.model, 128)
+    pass_cost_curve(engine, [2])
+    monkeypatch.setattr(tiny_target.model, "fused", object())  # as heads' generation switches the same model
+    pass_cost_curve(engine, [2])
+    assert len(timer.calls) == 2

@@ -361,8 +361,9 @@ def pass_cost_curve(engine: Engine, sizes: list[int], context: int = 128, reps: 
         order = list(dict.fromkeys([1, *sizes]))
         times = pass_times(engine, [0] * min(context, engine.max_len - max(sizes) - 1), order, reps)
         return {n: times[n] / times[1] for n in sizes}
-    static = getattr(engine, "static", None)
-    kind = (type(engine).__name__, None if static is None else bool(getattr(static, "compiled", False)), context)
+    static = getattr(engine, "static", None)  # the compiled step, the CPU kernels and torch's matmuls cost differently
+    kind = (type(engine).__name__, None if static is None else bool(getattr(static, "compiled", False)),
+            getattr(engine.model, "fused", None) is not None, context)
     curves = _CURVES.setdefault(engine.model, {})
     have = curves.get(kind, {})
     if not all(n in have for n in sizes):
