@@ -49,34 +49,43 @@ def left_padded(prompts: list[list[int]], max_new_tokens: int, device: torch.dev
 
 
 @torch.inference_mode()
-def _generate_batch(target: LoadedModel, prompts: list[list[int]], max_new_tokens: int) -> list[Generated]:
+def _generate_batch(target: LoadedModel, prompts: list[list[int]], max_new_tokens: int,
+                    check_every: int | None = None) -> list[Generated]:
+    """Greedy continuations of a left-padded batch. Tokens and hidden states stay on the target's device
+    until the end, and whether every row has ended is read only each `check_every` steps (default: 1 on
+    the CPU, 8 elsewhere): on a GPU each read waits for the device, and a host that never waits can queue
+    the next step's kernels while the device runs this one. Steps past every row's end are cut off."""
     model = target.model
     B, W, n = len(prompts), max(map(len, prompts)), max_new_tokens
     dev = target.device
+    every = check_every or (1 if dev.type == "cpu" else 8)
     cache = model.new_cache(W + n, batch=B)
     tokens, positions, valid, mask = left_padded(prompts, n, dev)
     logits, h = model(tokens, positions, cache, mask, logits_from=W - 1)  # h: (B, W, D)
-    states = [h.half().cpu()]
-    out: list[Tensor] = []
+    states = torch.empty(B, W + n, h.shape[-1], dtype=torch.float16, device=dev)  # the state after each token
+    states[:, :W] = h
+    gen = torch.empty(B, n, dtype=torch.long, device=dev)
     pos = positions[:, -1]
     eos = torch.tensor(target.eos_ids or [-1], device=dev)
     done = torch.zeros(B, dtype=torch.bool, device=dev)
+    steps = n
     for i in range(n):
         nxt = logits[:, -1].argmax(-1)  # (B,)
-        out.append(nxt)
+        gen[:, i] = nxt
         done |= torch.isin(nxt, eos)
         pos = pos + 1
         # The last step runs even when every row has ended: it gives the final token's hidden state.
         logits, h = model(nxt[:, None], pos[:, None], cache, valid[:, None, None, :W + i + 1])
-        states.append(h.half().cpu())
-        if bool(done.all()):
+        states[:, W + i] = h[:, 0]
+        if (i + 1) % every == 0 and bool(done.all()):
+            steps = i + 1
             break
-    gen = torch.stack(out, 1).cpu().tolist()  # (B, steps)
-    hidden = torch.cat(states, 1).numpy()  # (B, W + steps, D)
+    out = gen[:, :steps].cpu().tolist()  # (B, steps)
+    hidden = states[:, :W + steps].cpu().numpy()  # (B, W + steps, D)
     eos_set = set(target.eos_ids)
     results = []
     for b, p in enumerate(prompts):
-        cont = gen[b]
+        cont = out[b]
         cut = next((j + 1 for j, t in enumerate(cont) if t in eos_set), len(cont))
         results.append(Generated(cont[:cut], hidden[b, W - len(p):W + cut].copy()))
     return results

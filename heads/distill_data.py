@@ -41,6 +41,11 @@ from specdec.models.loader import LoadedModel
 from specdec.strategies.base import torch_threads as torch_threads_ctx
 
 VERSION = 2  # bump when the format or the generation changes
+AUTO_BATCH_CPU = 64
+# On an H200 a 135M target's batched step is bound by the host's kernel launches up to about here: 256 rows
+# gave 2.8x the prompts/s of 64 (experiments/gpu/generation_profile.py; notebook, 2026-12-04, afternoon).
+AUTO_BATCH_CUDA = 256
+AUTO_PROMPT_BOUND = 1024  # the prompt length `auto` sizes the CUDA batch for
 
 
 def distill_prompts(per_category: int, seeds: list[int], exclude_per_category: int, exclude_seed: int,
@@ -127,6 +132,27 @@ class DistillSet:
     minutes: float = 0.0  # generation time summed over every run that built this set
 
 
+def generation_batch(batch_size: int | str, target: LoadedModel, max_new_tokens: int) -> int:
+    """`data.batch_size`: an int as given; `auto`: 64 on the CPU (its kernels batch up to 16 slots anyway);
+    on a GPU, 256, halved until a batch's KV cache and hidden states for prompts of up to 1,024 tokens
+    take at most half the free device memory (at least 16)."""
+    if batch_size != "auto":
+        if isinstance(batch_size, str) and not batch_size.isdigit() or int(batch_size) < 1:
+            raise SpecdecError(f"data.batch_size={batch_size!r}; use a positive integer or auto")
+        return int(batch_size)
+    args = getattr(target.model, "args", None)
+    if target.device.type != "cuda" or args is None:
+        return AUTO_BATCH_CPU
+    elem = torch.finfo(target.dtype).bits // 8
+    length = AUTO_PROMPT_BOUND + max_new_tokens
+    per_row = length * (2 * args.n_layers * args.n_kv_heads * args.head_dim * elem + 2 * args.dim)
+    free, _ = torch.cuda.mem_get_info(target.device)
+    batch = AUTO_BATCH_CUDA
+    while batch > 16 and batch * per_row > free // 2:
+        batch //= 2
+    return batch
+
+
 def _generate_chunk(target: LoadedModel, ids: list[list[int]], max_new_tokens: int, batch_size: int,
                     folder: Path) -> None:
     """Generate one chunk and save it into `folder` (written under a temporary name, then renamed,
@@ -177,7 +203,7 @@ def concat_memmap(path: Path, pieces: Sequence[np.ndarray]) -> np.ndarray:
 
 def build_distill_dataset(target: LoadedModel, per_category: int = 70, seeds: tuple[int, ...] = (1, 2, 3),
                           exclude_per_category: int = 20, exclude_seed: int = 0, max_prompts: int | None = None,
-                          instructions: int = 0, max_new_tokens: int = 128, batch_size: int = 32,
+                          instructions: int = 0, max_new_tokens: int = 128, batch_size: int | str = 32,
                           chunk_batches: int = 2, max_minutes: float | None = None, torch_threads: int | None = 1,
                           cache_dir: str | None = None, log: Any = print,
                           prompts: Sequence[Prompt] | None = None) -> DistillSet:
@@ -200,6 +226,7 @@ def build_distill_dataset(target: LoadedModel, per_category: int = 70, seeds: tu
                                   instructions)
     if not prompts:
         raise SpecdecError("no distillation prompts left after excluding the benchmark; raise data.per_category")
+    batch_size = generation_batch(batch_size, target, max_new_tokens)
     root = Path(cache_dir).expanduser() if cache_dir else cache_root() / "distill"
     folder = root / f"{target.name}-{_key(target, prompts, max_new_tokens, batch_size * chunk_batches)}"
     folder.mkdir(parents=True, exist_ok=True)

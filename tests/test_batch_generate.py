@@ -70,3 +70,41 @@ def test_held_apart_questions_count_as_never_to_be_trained_on() -> None:
     for f in files:
         first = json.loads(f.read_text().splitlines()[0])["turns"][0]
         assert first in turns, f.name
+
+
+def test_reading_the_end_less_often_gives_the_same_tokens_and_states(load_tiny: Callable[..., LoadedModel]) -> None:
+    # A GPU reads whether every row has ended only every 8 steps; the steps it runs past the end are cut off.
+    target = load_tiny("llama")
+    ps = prompts(7)
+    stop = {_generate_batch(target, ps, 12)[2].continuation[4]}
+    target.eos_ids = tuple(stop)  # type: ignore[misc]
+    try:
+        each = _generate_batch(target, ps, 12, check_every=1)
+        seldom = _generate_batch(target, ps, 12, check_every=5)
+    finally:
+        target.eos_ids = ()  # type: ignore[misc]
+    assert len({len(g.continuation) for g in each}) > 1  # some rows end early
+    assert [g.continuation for g in seldom] == [g.continuation for g in each]
+    for a, b, p in zip(seldom, each, ps):
+        assert a.hidden.shape == (len(p) + len(a.continuation), target.model.args.dim)
+        np.testing.assert_array_equal(a.hidden, b.hidden)
+
+
+def test_auto_generation_batch(load_tiny: Callable[..., LoadedModel], monkeypatch: pytest.MonkeyPatch) -> None:
+    from dataclasses import replace
+
+    from heads.distill_data import AUTO_BATCH_CPU, AUTO_BATCH_CUDA, generation_batch
+    from specdec.errors import SpecdecError
+
+    target = load_tiny("llama")
+    assert generation_batch(24, target, 128) == 24
+    assert generation_batch("auto", target, 128) == AUTO_BATCH_CPU  # a CPU target
+    with pytest.raises(SpecdecError, match="data.batch_size"):
+        generation_batch("big", target, 128)
+    # On a GPU: the largest power-of-two share of 256 whose cache fits in half the free memory.
+    on_gpu = replace(target, device=torch.device("cuda"))
+    args = target.model.args
+    per_row = (1024 + 128) * (2 * args.n_layers * args.n_kv_heads * args.head_dim * 4 + 2 * args.dim)
+    for free, want in [(10**12, AUTO_BATCH_CUDA), (2 * 100 * per_row, 64), (2 * 20 * per_row, 16), (0, 16)]:
+        monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device, f=free: (f, 2 * f))
+        assert generation_batch("auto", on_gpu, 128) == want
