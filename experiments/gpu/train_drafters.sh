@@ -27,7 +27,7 @@ COMMON+=("${EXTRA_ARGS[@]}")
 $PY -c "from specdec.models.smollm2 import smollm2_folder; print(smollm2_folder())" || exit 1
 START=$SECONDS
 timeout "$LIMIT" $PY -m heads.train head=eagle "${COMMON[@]}" data.cache_dir="$WORK/distill" data.instructions=0 \
-  train.epochs=2 train.max_minutes=90 output_dir="$WORK/smollm2-135m-eagle-x4" >"$OUT/eagle_x4.log" 2>&1 &
+  train.epochs=2 train.max_minutes=75 output_dir="$WORK/smollm2-135m-eagle-x4" >"$OUT/eagle_x4.log" 2>&1 &
 A=$!
 timeout 120 $PY -m specdec.gpu_check --cases 'batch/*' --out "$OUT/gpu_batch" >"$OUT/gpu_batch.log" 2>&1 &
 C=$!
