@@ -137,7 +137,7 @@ def generation_batch(batch_size: int | str, target: LoadedModel, max_new_tokens:
     on a GPU, 256, halved until a batch's KV cache and hidden states for prompts of up to 1,024 tokens
     take at most half the free device memory (at least 16)."""
     if batch_size != "auto":
-        if isinstance(batch_size, str) and not batch_size.isdigit() or int(batch_size) < 1:
+        if (isinstance(batch_size, str) and not batch_size.isdigit()) or int(batch_size) < 1:
             raise SpecdecError(f"data.batch_size={batch_size!r}; use a positive integer or auto")
         return int(batch_size)
     args = getattr(target.model, "args", None)
