@@ -14,7 +14,7 @@ from torch import Tensor
 
 from specdec.engine.engine import HFEngine, StaticEngine
 from specdec.errors import SpecdecError
-from specdec.models import cpu_kernels
+from specdec.models import cpu_kernels, llama
 from specdec.models.llama import LlamaArgs
 from specdec.models.loader import LoadedModel
 
@@ -257,6 +257,31 @@ def test_fused_cpu_layers_match_torch(load_tiny: Callable[..., LoadedModel], mod
         torch.testing.assert_close(b, a, atol=ATOL, rtol=1e-4)
     for a, b in zip(filled(engines[0]), filled(engines[1])):
         torch.testing.assert_close(b, a, atol=ATOL, rtol=1e-4)
+
+
+def test_repeated_kv_matches_grouped_attention(load_tiny: Callable[..., LoadedModel],
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """On CUDA with a mask or fp32, attention repeats K/V to every query head instead of passing
+    enable_gqa (llama.expand_kv). Forced on here: the same prefill, chains and token tree give the grouped
+    path's logits, so query head h reads K/V head h // (H / H_kv) either way."""
+    model = load_tiny("llama").model
+    assert model.args.n_heads > model.args.n_kv_heads  # the tiny model groups its heads
+    q = torch.zeros(1, 1, 1, 4)
+    assert not llama.expand_kv(q, None) and not llama.expand_kv(q, torch.ones(1, 1, 1, 1, dtype=torch.bool))
+    ids = random_ids(30, VOCAB, seed=9)
+    tree = torch.tensor([[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 0, 1, 0, 0], [1, 1, 0, 1, 0], [1, 0, 1, 0, 1]],
+                        dtype=torch.bool)
+
+    def passes() -> list[Tensor]:
+        engine = StaticEngine(model, 64, prefill_chunk=8)
+        engine.prefill(ids[:11])
+        return [engine.forward(torch.tensor(ids[11:12])).logits, engine.forward(torch.tensor(ids[12:16])).logits,
+                engine.forward(torch.tensor(ids[16:21]), depth=torch.tensor([0, 1, 1, 2, 2]), mask=tree).logits]
+
+    grouped = passes()
+    monkeypatch.setattr(llama, "expand_kv", lambda q, mask: True)
+    for a, b in zip(grouped, passes()):
+        torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-5)
 
 
 def test_fused_cpu_pass_is_batch_invariant(load_tiny: Callable[..., LoadedModel]) -> None:

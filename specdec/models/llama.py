@@ -133,6 +133,14 @@ def interleave_rows(w: Tensor, n_heads: int, head_dim: int) -> Tensor:
     return w.reshape(n_heads, 2, head_dim // 2, *rest).transpose(1, 2).reshape(n_heads * head_dim, *rest)
 
 
+def expand_kv(q: Tensor, mask: Tensor | None) -> bool:
+    """Whether to repeat K/V to H heads before SDPA rather than pass enable_gqa. On CUDA only flash
+    attention takes enable_gqa, and flash takes neither a mask nor fp32: SDPA then falls back to its math
+    kernel, which repeats K/V itself and materializes the scores in several launches a layer, while K/V
+    repeated here reach the memory-efficient kernel. The CPU keeps enable_gqa (no copy of the cache)."""
+    return q.is_cuda and (mask is not None or q.dtype == torch.float32)
+
+
 class Attention(nn.Module):
     def __init__(self, args: LlamaArgs, layer: int) -> None:
         super().__init__()
@@ -157,7 +165,9 @@ class Attention(nn.Module):
             keys, values = cache.write(self.layer, k, v)  # (B, Hkv, S, D), S = filled + T
         else:
             keys, values = cache.write_at(self.layer, k, v, slots)  # (B, Hkv, S_max, D)
-        y = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=H != Hkv)
+        if H != Hkv and expand_kv(q, mask):
+            keys, values = keys.repeat_interleave(H // Hkv, 1), values.repeat_interleave(H // Hkv, 1)  # (B, H, S, D)
+        y = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=keys.shape[1] != H)
         return self.wo(y.transpose(1, 2).reshape(B, T, H * D))
 
 
