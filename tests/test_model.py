@@ -259,15 +259,17 @@ def test_fused_cpu_layers_match_torch(load_tiny: Callable[..., LoadedModel], mod
         torch.testing.assert_close(b, a, atol=ATOL, rtol=1e-4)
 
 
-def test_repeated_kv_matches_grouped_attention(load_tiny: Callable[..., LoadedModel],
+@pytest.mark.parametrize("forced", ["expand_kv", "fuse_norm"])
+def test_cuda_eager_paths_match_the_reference(load_tiny: Callable[..., LoadedModel], forced: str,
                                               monkeypatch: pytest.MonkeyPatch) -> None:
-    """On CUDA with a mask or fp32, attention repeats K/V to every query head instead of passing
-    enable_gqa (llama.expand_kv). Forced on here: the same prefill, chains and token tree give the grouped
-    path's logits, so query head h reads K/V head h // (H / H_kv) either way."""
+    """On CUDA, attention repeats K/V to every query head where SDPA would otherwise fall back to its
+    math kernel (llama.expand_kv), and RMSNorm runs as one kernel (llama.fuse_norm). Each forced on here:
+    the same prefill, chains and token tree give the reference path's logits (for expand_kv: query
+    head h reads K/V head h // (H / H_kv) either way)."""
     model = load_tiny("llama").model
     assert model.args.n_heads > model.args.n_kv_heads  # the tiny model groups its heads
     q = torch.zeros(1, 1, 1, 4)
-    assert not llama.expand_kv(q, None) and not llama.expand_kv(q, torch.ones(1, 1, 1, 1, dtype=torch.bool))
+    assert not llama.expand_kv(q, torch.ones(1, 1, 1, 1, dtype=torch.bool)) and not llama.fuse_norm(q)  # CPU
     ids = random_ids(30, VOCAB, seed=9)
     tree = torch.tensor([[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 0, 1, 0, 0], [1, 1, 0, 1, 0], [1, 0, 1, 0, 1]],
                         dtype=torch.bool)
@@ -278,10 +280,22 @@ def test_repeated_kv_matches_grouped_attention(load_tiny: Callable[..., LoadedMo
         return [engine.forward(torch.tensor(ids[11:12])).logits, engine.forward(torch.tensor(ids[12:16])).logits,
                 engine.forward(torch.tensor(ids[16:21]), depth=torch.tensor([0, 1, 1, 2, 2]), mask=tree).logits]
 
-    grouped = passes()
-    monkeypatch.setattr(llama, "expand_kv", lambda q, mask: True)
-    for a, b in zip(grouped, passes()):
+    reference = passes()
+    monkeypatch.setattr(llama, forced, lambda *args: True)
+    for a, b in zip(reference, passes()):
         torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-5)
+
+
+def test_fused_norm_keeps_the_reference_rounding_in_bf16(monkeypatch: pytest.MonkeyPatch) -> None:
+    """In bf16 the one-kernel norm still normalizes in fp32, rounds, then scales by the weight, as the
+    reference does: bitwise the same output."""
+    norm = llama.RMSNorm(64, 1e-5).to(torch.bfloat16)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(64))
+    x = torch.randn(3, 5, 64).to(torch.bfloat16)
+    reference = norm(x)
+    monkeypatch.setattr(llama, "fuse_norm", lambda x: True)
+    assert torch.equal(norm(x), reference)
 
 
 def test_fused_cpu_pass_is_batch_invariant(load_tiny: Callable[..., LoadedModel]) -> None:
