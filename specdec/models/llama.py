@@ -81,10 +81,16 @@ def rope_inv_freq(args: LlamaArgs) -> Tensor:
     return inv.float()
 
 
+def eager_cuda(x: Tensor) -> bool:
+    """An eager pass on CUDA: bound by kernel launches more than by arithmetic (prefill, batches,
+    distillation). Compiled steps are left to inductor."""
+    return x.is_cuda and not torch.compiler.is_compiling()
+
+
 def fuse_norm(x: Tensor) -> bool:
     """Whether RMSNorm runs as torch's one rms_norm kernel rather than the five ops of the reference
-    formula: on CUDA, where eager passes are bound by kernel launches, not arithmetic."""
-    return x.is_cuda
+    formula: in eager passes on CUDA."""
+    return eager_cuda(x)
 
 
 class RMSNorm(nn.Module):
@@ -145,8 +151,9 @@ def expand_kv(q: Tensor, mask: Tensor | None) -> bool:
     """Whether to repeat K/V to H heads before SDPA rather than pass enable_gqa. On CUDA only flash
     attention takes enable_gqa, and flash takes neither a mask nor fp32: SDPA then falls back to its math
     kernel, which repeats K/V itself and materializes the scores in several launches a layer, while K/V
-    repeated here reach the memory-efficient kernel. The CPU keeps enable_gqa (no copy of the cache)."""
-    return q.is_cuda and (mask is not None or q.dtype == torch.float32)
+    repeated here reach the memory-efficient kernel. Eager only: a compiled step keeps the graph the GPU
+    check timed (inductor fuses the math path itself). The CPU keeps enable_gqa (no copy of the cache)."""
+    return eager_cuda(q) and (mask is not None or q.dtype == torch.float32)
 
 
 class Attention(nn.Module):
