@@ -25,7 +25,7 @@ done
 # shipped drafter. A mix of more sources shuffles into another split, so validation accuracy there is on
 # other sequences.
 sources="builtin,heads/data/magpie-$MODEL-1turn.jsonl.gz"
-for seed in 1 2 3; do
+for seed in 1 2 3 4; do
   file=heads/data/magpie-$MODEL-1turn-seed$seed.jsonl.gz
   sources="$sources,$file"
   [ -f "$file" ] || $PY -m heads.magpie --n 3000 --turns 1 --seed $seed --batch-size 128 --out "$file"
