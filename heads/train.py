@@ -18,7 +18,9 @@ Interface for a trainable drafter (`configs/head/NAME.yaml`, whose `_target_` bu
             #   labels[b, t] is the token that follows input_ids[b, t] in the self-distilled sequence,
             #   -100 where nothing should be learnt (the prompt, padding, the last token).
             # target_hidden: (B, T, D) final-norm hidden states of the frozen target for input_ids
-            #   (computed by the trainer, cached on disk with `train.cache_hidden`), None unless needs_hidden.
+            #   (computed by the trainer, cached on disk with `train.cache_hidden`), None unless needs_hidden;
+            #   a Trainable with `target_taps(target) -> layers` gets those layers' inputs after them in the
+            #   same rows, (B, T, (1 + len(layers)) D) (EAGLE-3's fused features).
             # Returns the scalar loss and floats to log (e.g. {"acc": ...}). `module` is the module as
             # accelerate prepared it (DistributedDataParallel under `accelerate launch`): call it (its
             # forward) rather than its methods, or gradients are not synchronised across processes.
@@ -192,18 +194,30 @@ class NoCache:
 
 
 @torch.no_grad()
-def target_hidden(target: LoadedModel, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
-    """(B, T, D) final-norm hidden states of the frozen target for right-padded input_ids."""
+def target_hidden(target: LoadedModel, input_ids: Tensor, attention_mask: Tensor,
+                  taps: tuple[int, ...] = ()) -> Tensor:
+    """(B, T, D) final-norm hidden states of the frozen target for right-padded input_ids; with `taps`,
+    the residual stream entering each of those layers follows in the same rows: (B, T, (1 + len(taps)) D)."""
     input_ids = input_ids.to(target.device)
     if target.backend == "compact":
         B, T = input_ids.shape
         pos = torch.arange(T, device=target.device).expand(B, T)
         causal = torch.ones(T, T, dtype=torch.bool, device=target.device).tril()[None, None]  # (1, 1, T, T)
+        if taps:
+            _, h, seen = target.model.forward_tapped(input_ids, pos, NoCache(), causal, T, taps)
+            return torch.cat([h, seen], -1).float()
         _, h = target.model(input_ids, pos, NoCache(), causal, logits_from=T)
         return h.float()
     out = target.model(input_ids=input_ids, attention_mask=attention_mask.to(target.device),
                        output_hidden_states=True)
-    return out.hidden_states[-1].float()
+    # hidden_states[i] is layer i's input (hidden_states[0] the embeddings), the last one the final norm's output
+    return torch.cat([out.hidden_states[-1], *(out.hidden_states[i] for i in taps)], -1).float()
+
+
+def hidden_taps(trainable: Any, target: LoadedModel) -> tuple[int, ...]:
+    """The target layers whose inputs `trainable` reads beside the final state (EAGLE-3's), else ()."""
+    taps = getattr(trainable, "target_taps", None)
+    return tuple(taps(target)) if taps is not None else ()
 
 
 @dataclass
@@ -224,15 +238,17 @@ class HiddenStore:
 
 
 def with_cached_hidden(data: Any, target: LoadedModel, seq_len: int, batch_size: int,
-                       folder: Path | None = None) -> tuple[Any, HiddenStore]:
-    """Compute the target's hidden states once (resumable across reruns only as a whole: the file is
-    complete or rebuilt), store them next to the dataset; returns the data with a `hidden_row` column."""
+                       folder: Path | None = None, taps: tuple[int, ...] = ()) -> tuple[Any, HiddenStore]:
+    """Compute the target's hidden states (with `taps`, those layers' inputs too; see target_hidden) once
+    (resumable across reruns only as a whole: the file is complete or rebuilt), store them next to the
+    dataset; returns the data with a `hidden_row` column."""
     if folder is None and data.cache_files:
         folder = Path(data.cache_files[0]["filename"]).parent
     lengths = [min(seq_len, len(x)) for x in data["input_ids"]]
     offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
-    D = target.hidden_size
-    key = hashlib.sha256(f"{data._fingerprint}-{target.folder.name}-{seq_len}".encode()).hexdigest()[:16]
+    D = target.hidden_size * (1 + len(taps))
+    tapped = f"-taps{'.'.join(map(str, taps))}" if taps else ""  # the untapped key as before: its files stay valid
+    key = hashlib.sha256(f"{data._fingerprint}-{target.folder.name}-{seq_len}{tapped}".encode()).hexdigest()[:16]
     path = (folder or Path(os.environ.get("TMPDIR", "/tmp"))) / f"hidden-{key}.f16"
     done = path.with_suffix(".done")
     shape = (int(offsets[-1]), D)
@@ -242,7 +258,7 @@ def with_cached_hidden(data: Any, target: LoadedModel, seq_len: int, batch_size:
         for s in range(0, len(order), batch_size):
             idx = order[s:s + batch_size]
             batch = collate([data[i] for i in idx], seq_len, 0)
-            h = target_hidden(target, batch["input_ids"], batch["attention_mask"]).half().cpu().numpy()
+            h = target_hidden(target, batch["input_ids"], batch["attention_mask"], taps).half().cpu().numpy()
             for b, i in enumerate(idx):
                 rows[offsets[i]:offsets[i + 1]] = h[b, :lengths[i]]
             if s // batch_size % 20 == 0:
@@ -441,7 +457,7 @@ def evaluate(trainable: Trainable, module: nn.Module, target: LoadedModel, loade
     for batch in loader:
         hidden = batch.pop("hidden", None)
         if trainable.needs_hidden and hidden is None:
-            hidden = target_hidden(target, batch["input_ids"], batch["attention_mask"])
+            hidden = target_hidden(target, batch["input_ids"], batch["attention_mask"], hidden_taps(trainable, target))
         with accelerator.autocast():
             loss, logs = trainable.loss(module, batch, hidden)
         for k, v in ({"loss": float(loss)} | logs).items():
@@ -499,10 +515,11 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         distill, sources = build_mix(generator, source_list(source_cfg.get("source")), source_cfg, data_cfg, say)
         del generator
         data, store = distill.data, None
-        if trainable.needs_hidden and distill.hidden is not None:
+        taps = hidden_taps(trainable, target)  # generation keeps only the final state: a tapped head recomputes
+        if trainable.needs_hidden and distill.hidden is not None and not taps:
             data, store = with_generated_hidden(data, distill.hidden, int(t.seq_len))
         elif trainable.needs_hidden and t.cache_hidden:
-            data, store = with_cached_hidden(data, target, int(t.seq_len), int(t.batch_size))
+            data, store = with_cached_hidden(data, target, int(t.seq_len), int(t.batch_size), taps=taps)
     n_val = int(len(data) * float(t.val_fraction)) if len(data) > 1 else 0
     split = data.train_test_split(test_size=n_val, seed=int(t.seed), shuffle=True) if n_val else None
     train_data, val_data = (split["train"], split["test"]) if split else (data, None)
@@ -558,7 +575,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
             with accelerator.accumulate(module):  # the prepared optimizer steps only when it syncs
                 hidden = batch.pop("hidden", None)
                 if trainable.needs_hidden and hidden is None:
-                    hidden = target_hidden(target, batch["input_ids"], batch["attention_mask"])
+                    hidden = target_hidden(target, batch["input_ids"], batch["attention_mask"], taps)
                 with accelerator.autocast():
                     loss, logs = trainable.loss(module, batch, hidden)
                 accelerator.backward(loss)  # divided by grad_accum: the step's gradient is the mean
