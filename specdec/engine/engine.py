@@ -10,7 +10,6 @@ prefix the new prompt shares with the cache and feeds only the rest.
 
 from __future__ import annotations
 
-import sys
 import weakref
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -166,9 +165,6 @@ class StaticEngine:
             self.static = StaticStep(self.model, self.cache, compile=self.static.compiled, taps=self.taps)
             if self.static.compiled:
                 self.static.warm_up()
-        if self.taps and getattr(self.model, "fused", None) is not None:
-            print("note: the target's layer taps (EAGLE-3) need each layer's input, which the CPU kernels' fused "
-                  "stack does not return; its passes run layer by layer (same kernels, more calls)", file=sys.stderr)
         self.reuse_prefix(self.held is not None)
 
     def reuse_prefix(self, on: bool) -> None:

@@ -299,16 +299,22 @@ class FusedStack:
             self._rope = torch.view_as_real(freqs[0, :, 0]).numpy().copy()  # (size, D/2, 2)
         return self._rope[positions]
 
-    def __call__(self, model: Llama, x: Tensor, positions: Tensor, cache: KVCache,
-                 mask: Tensor | None) -> Tensor:
+    def __call__(self, model: Llama, x: Tensor, positions: Tensor, cache: KVCache, mask: Tensor | None,
+                 taps: tuple[int, ...] = (), seen: list[Tensor] | None = None) -> Tensor:
         """Final-norm hidden states (1, T, dim) of the layers' input x (1, T, dim); K/V written to the cache
-        after sequence 0's cached tokens (its length is the caller's to advance, as Llama.forward does)."""
+        after sequence 0's cached tokens (its length is the caller's to advance, as Llama.forward does).
+        taps: append to `seen` the input of each of these layers (1, T, dim), in layer order."""
         segment = np.array([[0, cache.lengths[0], 0, x.shape[1]]], dtype=np.int64)
         m = None if mask is None else mask[0, 0].numpy()  # (T, S)
-        return self.run_segments(model, x[0], positions[0], cache, segment, m)[None]
+        found: list[Tensor] = []
+        h = self.run_segments(model, x[0], positions[0], cache, segment, m, taps, found)[None]
+        if seen is not None:
+            seen.extend(t[None] for t in found)
+        return h
 
     def run_segments(self, model: Llama, x: Tensor, positions: Tensor, cache: KVCache,
-                     segments: np.ndarray, mask: np.ndarray | None) -> Tensor:
+                     segments: np.ndarray, mask: np.ndarray | None, taps: tuple[int, ...] = (),
+                     seen: list[Tensor] | None = None) -> Tensor:
         """One pass over new tokens of several of the cache's sequences: the linears run once over all the
         rows (their weights read once), attention per sequence.
 
@@ -319,7 +325,8 @@ class FusedStack:
         None: every row sees all of its sequence's slots up to its segment's end, which is right for one
         new token per segment. Writes each segment's K/V (k, v and the panels) into sequence b's slots;
         cache.lengths stay as they are (the caller advances them). Returns final-norm hidden states (R, dim).
-        Sequences with no segment are left bitwise untouched."""
+        Sequences with no segment are left bitwise untouched. taps: append to `seen` the input (R, dim) of
+        each of these layers; the stack then runs as one call per stretch of layers between taps."""
         R = x.shape[0]
         segments = np.ascontiguousarray(segments, dtype=np.int64)
         _check_segments(segments, R, cache.batch, cache.max_len, mask)
@@ -328,12 +335,18 @@ class FusedStack:
         m = np.ascontiguousarray(mask, dtype=np.bool_) if use_mask else self._all_visible  # one array type: one compile
         if cache.key_panels is None or cache.value_panels is None:
             cache.keep_panels(self.att_panel)
-        h = stack_forward(
-            np.ascontiguousarray(x.detach().numpy()), rope, cache.k.numpy(), cache.v.numpy(),
-            cache.key_panels.numpy(), cache.value_panels.numpy(), segments, m, use_mask,
-            self.attn_normed, self.attn_norms, self.wqkv, self.bqkv, self.bo, self.wo, self.mlp_norms,
-            self.w_gate_up, self.w_down, self.final_normed, self.norm, self.norm_eps, self.n_heads, self.n_kv,
-            self.head_dim, self.hidden, self.tiles, self.att_tiles)
+        h = np.ascontiguousarray(x.detach().numpy())
+        k, v, kp, vp = cache.k.numpy(), cache.v.numpy(), cache.key_panels.numpy(), cache.value_panels.numpy()
+        L = len(self.attn_norms)
+        edges = sorted({0, L, *taps})
+        for a, b in zip(edges, edges[1:]):  # layers a..b-1 in one call: slices on the layer axis are views
+            if a in taps:
+                seen.append(torch.from_numpy(h.copy()))  # type: ignore[union-attr]
+            h = stack_forward(
+                h, rope, k[a:b], v[a:b], kp[a:b], vp[a:b], segments, m, use_mask, self.attn_normed[a:b],
+                self.attn_norms[a:b], self.wqkv[a:b], self.bqkv[a:b], self.bo[a:b], self.wo[a:b],
+                self.mlp_norms[a:b], self.w_gate_up[a:b], self.w_down[a:b], self.final_normed and b == L, self.norm,
+                self.norm_eps, self.n_heads, self.n_kv, self.head_dim, self.hidden, self.tiles, self.att_tiles)
         return torch.from_numpy(h)
 
     _all_visible = np.ones((1, 1), dtype=np.bool_)

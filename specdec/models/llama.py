@@ -226,8 +226,9 @@ class WholePass(Protocol):
 
     def takes(self, x: Tensor) -> bool: ...  # x: (B, T, dim), the layers' input
 
-    def __call__(self, model: Llama, x: Tensor, positions: Tensor, cache: KVCache,
-                 mask: Tensor | None) -> Tensor: ...  # -> final-norm hidden states (B, T, dim)
+    def __call__(self, model: Llama, x: Tensor, positions: Tensor, cache: KVCache, mask: Tensor | None,
+                 taps: tuple[int, ...] = (), seen: list[Tensor] | None = None
+                 ) -> Tensor: ...  # -> final-norm hidden states (B, T, dim); taps as run_layers
 
 
 class NormPlaced(nn.Module):
@@ -284,9 +285,9 @@ class Llama(NormPlaced):
                    taps: tuple[int, ...] = (), seen: list[Tensor] | None = None) -> Tensor:
         """The layers and the final norm over inputs x (B, T, dim) -> hidden states (B, T, dim).
         taps: append to `seen` the residual stream entering each of these layers (B, T, dim), in layer
-        order; the fused stack returns only the final state, so a tapped pass runs layer by layer."""
-        if self.fused is not None and not taps and self.fused.takes(x):
-            return self.fused(self, x, positions, cache, mask)
+        order (the fused stack too, one call per stretch of layers between taps)."""
+        if self.fused is not None and self.fused.takes(x):
+            return self.fused(self, x, positions, cache, mask, taps, seen)
         freqs = self.rope(positions)
         for i, block in enumerate(self.layers):
             if i in taps:
