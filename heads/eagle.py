@@ -168,8 +168,6 @@ class EagleTrainable:
                                "network, exportable with python -m heads.export eagle)")
         if layers < 1:
             raise SpecdecError(f"head.layers={layers} must be at least 1")
-        if save_dtype not in ("fp16", "bf16", "fp32"):
-            raise SpecdecError(f"head.save_dtype={save_dtype!r}; use fp16, bf16 or fp32")
         if noise < 0 or reg_weight < 0 or kl_weight < 0 or reg_weight + kl_weight == 0:
             raise SpecdecError("head.noise, head.reg_weight and head.kl_weight must be >= 0, the weights not both 0")
         if unroll < 1:
@@ -182,7 +180,7 @@ class EagleTrainable:
         self.kl_weight = kl_weight
         self.noise = noise
         self.unroll = unroll
-        self.save_dtype = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}[save_dtype]
+        self.save_dtype = parse_save_dtype(save_dtype)
         self.target: LoadedModel | None = None
         self.args: LlamaArgs | None = None
         self.kept_ids: Tensor | None = None
@@ -201,11 +199,7 @@ class EagleTrainable:
         with torch.device("meta"):
             net = EagleNet(self.args, len(self.kept_ids), self.layout)
         net.to_empty(device=embed.device)
-        for m in net.modules():  # fresh blocks and fc; the target's norm scale as the output's starting scale
-            if isinstance(m, nn.Linear):
-                m.reset_parameters()
-            elif hasattr(m, "weight") and m.weight.dim() == 1:
-                nn.init.ones_(m.weight)
+        init_fresh(net)  # fresh blocks and fc; the target's norm scale as the output's starting scale (below)
         net.embed.weight = nn.Parameter(embed, requires_grad=False)
         head = target_head(target).detach().float()[self.kept_ids].clone()  # (K, D)
         net.lm_head.weight = nn.Parameter(head, requires_grad=False)
@@ -279,6 +273,25 @@ class EagleTrainable:
             "train": meta,
         }
         (out_dir / CONFIG).write_text(json.dumps(config, indent=2, default=str))
+
+
+SAVE_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+def parse_save_dtype(value: str) -> torch.dtype:
+    """`head.save_dtype`: the dtype a drafter's weights are written in."""
+    if value not in SAVE_DTYPES:
+        raise SpecdecError(f"head.save_dtype={value!r}; use fp16, bf16 or fp32")
+    return SAVE_DTYPES[value]
+
+
+def init_fresh(net: nn.Module) -> None:
+    """A drafter materialised from the meta device: its linears at their default init, every norm scale at 1."""
+    for m in net.modules():
+        if isinstance(m, nn.Linear):
+            m.reset_parameters()
+        elif hasattr(m, "weight") and m.weight.dim() == 1:
+            nn.init.ones_(m.weight)
 
 
 def _final_norm_weight(target: LoadedModel) -> Tensor:

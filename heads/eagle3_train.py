@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from heads.draft_model import pick_vocab, target_embedding, target_head
-from heads.eagle import _final_norm_weight, eagle_args
+from heads.eagle import _final_norm_weight, eagle_args, init_fresh, parse_save_dtype
 from heads.eagle3 import Eagle3Net, default_layers
 from specdec.errors import SpecdecError
 from specdec.models.llama import rope_inv_freq
@@ -105,14 +105,12 @@ class Eagle3Trainable:
                  unroll: int = 2, norm_before_residual: bool = False, save_dtype: str = "fp16") -> None:
         if unroll < 1:
             raise SpecdecError(f"head.unroll={unroll} must be at least 1 (1: train on the target's features only)")
-        if save_dtype not in ("fp16", "bf16", "fp32"):
-            raise SpecdecError(f"head.save_dtype={save_dtype!r}; use fp16, bf16 or fp32")
         self.name = name
         self.layers = tuple(target_layers) if target_layers else None
         self.draft_vocab = draft_vocab
         self.unroll = unroll
         self.norm_before_residual = norm_before_residual
-        self.save_dtype = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}[save_dtype]
+        self.save_dtype = parse_save_dtype(save_dtype)
         self.target: LoadedModel | None = None
         self.kept_ids: Tensor | None = None
         self.to_kept: Tensor | None = None  # (V,) target id -> draft row, -1 if not kept
@@ -138,11 +136,7 @@ class Eagle3Trainable:
         with torch.device("meta"):
             net = Eagle3Net(args, D, len(self.kept_ids), self.target_taps(target), self.norm_before_residual)
         net.to_empty(device=embed.device)
-        for m in net.modules():  # fresh layer and fc; norms at 1, the output norm at the target's final scale
-            if isinstance(m, nn.Linear):
-                m.reset_parameters()
-            elif hasattr(m, "weight") and m.weight.dim() == 1:
-                nn.init.ones_(m.weight)
+        init_fresh(net)  # fresh layer and fc; the output norm at the target's final scale (below)
         net.norm.weight.data.copy_(_final_norm_weight(target))
         net.embed.weight = nn.Parameter(embed, requires_grad=False)
         rows = target_head(target).detach().float()[self.kept_ids].clone()  # (K, D)
