@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Held-apart acceptance against training tokens (issue 34): EAGLE trained on growing prefixes of the
 # shipped recipe's data (built-in + Magpie prompts, one shuffled split, the same held-out sequences),
-# each point 2 epochs and at least 300 steps; then one point with a second Magpie file (the shipped
-# drafter before it) and one with a third (the shipped one); then all points in one interleaved held-apart run.
+# each point 2 epochs and at least 300 steps; then one point per further Magpie file, up to five (x5, the
+# shipped drafter); then all points in one interleaved held-apart run.
 #   bash experiments/scaling_curve.sh            # train every point (skips finished ones), then evaluate
 # Checkpoints go to heads/checkpoints/scaling/ (git-ignored); the run to experiments/results/heldapart_magpie/.
 set -euo pipefail
@@ -21,7 +21,7 @@ for point in 040k:40000 080k:80000 160k:160000 all:null; do
     train.epochs=2 train.max_steps=$steps train.max_minutes=null train.max_train_tokens=$cap \
     output_dir=$out
 done
-# Past the one Magpie file: more files (other seeds, the same domains), all of them, 2 epochs; x3 is the
+# Past the one Magpie file: more files (other seeds, the same domains), all of them, 2 epochs; x5 is the
 # shipped drafter. A mix of more sources shuffles into another split, so validation accuracy there is on
 # other sequences.
 sources="builtin,heads/data/magpie-$MODEL-1turn.jsonl.gz"
