@@ -47,6 +47,10 @@ def test_tapped_target_pass_gives_the_layer_inputs_transformers_gives(deep: Load
     for b, n in enumerate((8, 4)):  # right padding: compare the real tokens
         torch.testing.assert_close(got[b, :n], want[b, :n], atol=1e-4, rtol=1e-4)
     assert torch.equal(target_hidden(deep, ids, mask)[0], got[0, :, :deep.hidden_size])
+    hf_target = load_model("tiny-llama", "builtin:tiny-llama", backend="hf", compile=False, tiny=DEEP)
+    through_hf = target_hidden(hf_target, ids, mask, (2, 4, 5))  # model.backend=hf: the same rows
+    for b, n in enumerate((8, 4)):
+        torch.testing.assert_close(through_hf[b, :n], want[b, :n], atol=1e-5, rtol=1e-5)
 
 
 def test_training_time_test_passes_are_what_drafting_computes() -> None:
