@@ -297,9 +297,13 @@ def test_cpu_kernels_fused_stack_returns_the_taps(tmp_path: Path, capsys: Any) -
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(outs[0][2][..., :model.args.dim], model.embed(ids), atol=0, rtol=0)  # layer 0's input
     eagle3_checkpoint(tmp_path, target)
-    eagle3 = EagleStrategy(target, "eagle3", load_eagle_layout(str(tmp_path)), FixedLength(3), 512, 8)
-    res = eagle3.generate(PROMPT, GenerationParams(24), 0)
-    assert res.output_ids == Greedy(target, "greedy", 512, 8).generate(PROMPT, GenerationParams(24), 0).output_ids
+    want = Greedy(target, "greedy", 512, 8).generate(PROMPT, GenerationParams(24), 0).output_ids
+    for weights in ("fp32", "int8"):  # the drafter on the target's kernels too, int8 as strategy.drafter.weights asks
+        eagle3 = EagleStrategy(target, "eagle3", load_eagle_layout(str(tmp_path), weights=weights), FixedLength(3),
+                               512, 8)
+        assert type(eagle3.net.fc).__name__ == "NumbaLinear" and type(eagle3.net.attn.wqkv).__name__ == "NumbaLinear"
+        res = eagle3.generate(PROMPT, GenerationParams(24), 0)
+        assert res.output_ids == want and res.proposed > 0
     assert capsys.readouterr().err == ""
 
 

@@ -194,6 +194,7 @@ class PublishedEagle3(_BuiltOncePerTarget):
     config: dict[str, Any]
     state: dict[str, Tensor]
     layout: Eagle3Layout
+    weights: str = "fp32"  # the CPU kernels' copy of the matrices: fp32, bf16 or int8 (as PublishedEagle's)
 
     def build(self, target: LoadedModel) -> Any:
         from heads.eagle3 import Eagle3Net
@@ -233,7 +234,12 @@ class PublishedEagle3(_BuiltOncePerTarget):
         rows = torch.arange(len(lay.draft_ids))
         identity = len(rows) == target.vocab_size and bool((lay.draft_ids == rows).all())
         net.token_ids = None if identity else lay.draft_ids.to(target.device)  # None: rows are target ids
-        return net.eval().requires_grad_(False)
+        net.eval().requires_grad_(False)
+        if target.matmul != "torch":  # the target's CPU kernels; its 2D-wide layer runs as plain linears
+            from specdec.models.cpu_linear import use_matmul
+
+            use_matmul(net, target.matmul, self.weights)
+        return net
 
 
 def _llama_args(config: dict[str, Any], where: Path) -> LlamaArgs:
@@ -324,7 +330,7 @@ def load_eagle_layout(path: str, hub: bool = False, revision: str | None = None,
     folder = resolve_source(path, hub, revision)
     config, state, where = read_eagle(folder)
     if is_eagle3(config, state):  # checked now, built for a target by bind (heads/eagle3.py)
-        return PublishedEagle3(folder, config, state, read_eagle3(config, state, where))
+        return PublishedEagle3(folder, config, state, read_eagle3(config, state, where), weights)
     return PublishedEagle(folder, config, state, weights)
 
 
