@@ -305,6 +305,16 @@ def pick_vocab(data: Any, vocab_size: int, kept: int, always: list[int]) -> Tens
     return torch.tensor(sorted(ids))
 
 
+def vocab_maps(data: Any, target: LoadedModel, kept: int, device: torch.device) -> tuple[Tensor, Tensor]:
+    """pick_vocab's (K,) target ids of the drafter's rows and the (V,) map back (target id -> row, -1 if not
+    kept), both on `device`, where the loss meets them (saved from a host copy)."""
+    V = target.vocab_size
+    kept_ids = pick_vocab(data, V, kept, list(target.eos_ids)).to(device)
+    to_kept = torch.full((V,), -1, dtype=torch.long, device=device)
+    to_kept[kept_ids] = torch.arange(len(kept_ids), device=device)
+    return kept_ids, to_kept
+
+
 class DraftTrainable:
     """heads.train's Trainable for the distilled draft (configs/head/draft.yaml)."""
 
@@ -341,12 +351,8 @@ class DraftTrainable:
         source = [i % n_target for i in self.init_layers]
         self.target, self.source_layers = target, source
         self.hf_config = draft_hf_config(target, self.layers, source)
-        V = target.vocab_size
         embed = target_embedding(target).detach().float()
-        # the id maps on the target's device, where the loss meets them (saved from a host copy)
-        self.kept_ids = pick_vocab(data, V, self.kept_vocab, list(target.eos_ids)).to(embed.device)
-        self.to_kept = torch.full((V,), -1, dtype=torch.long, device=embed.device)
-        self.to_kept[self.kept_ids] = torch.arange(len(self.kept_ids), device=embed.device)
+        self.kept_ids, self.to_kept = vocab_maps(data, target, self.kept_vocab, embed.device)
         torch.manual_seed(0)
         body = AutoModel.from_config(self.hf_config, dtype=torch.float32)
         body.embed_tokens.weight = nn.Parameter(embed, requires_grad=False)

@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from heads.draft_model import SavedDrafter, fingerprint, pick_vocab, target_embedding, target_head
+from heads.draft_model import SavedDrafter, fingerprint, target_embedding, target_head, vocab_maps
 from specdec.errors import SpecdecError
 from specdec.models.llama import SUPPORTED_TYPES, Llama, LlamaArgs, PassThroughNorm, rope_inv_freq
 from specdec.models.loader import LoadedModel
@@ -189,12 +189,8 @@ class EagleTrainable:
     def build(self, target: LoadedModel, data: Any) -> nn.Module:
         self.target = target
         self.args = eagle_args(target, self.layers)
-        V = target.vocab_size
         embed = target_embedding(target).detach().float()
-        # the id maps on the target's device, where the loss meets them (saved from a host copy)
-        self.kept_ids = pick_vocab(data, V, self.kept_vocab, list(target.eos_ids)).to(embed.device)
-        self.to_kept = torch.full((V,), -1, dtype=torch.long, device=embed.device)
-        self.to_kept[self.kept_ids] = torch.arange(len(self.kept_ids), device=embed.device)
+        self.kept_ids, self.to_kept = vocab_maps(data, target, self.kept_vocab, embed.device)
         torch.manual_seed(0)
         with torch.device("meta"):
             net = EagleNet(self.args, len(self.kept_ids), self.layout)

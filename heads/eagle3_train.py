@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from heads.draft_model import pick_vocab, target_embedding, target_head
+from heads.draft_model import target_embedding, target_head, vocab_maps
 from heads.eagle import _final_norm_weight, eagle_args, init_fresh, parse_save_dtype
 from heads.eagle3 import Eagle3Net, default_layers
 from specdec.errors import SpecdecError
@@ -129,9 +129,7 @@ class Eagle3Trainable:
         args = eagle_args(target, 1)
         V, D = target.vocab_size, target.hidden_size
         embed = target_embedding(target).detach().float()
-        self.kept_ids = pick_vocab(data, V, self.draft_vocab, list(target.eos_ids)).to(embed.device)
-        self.to_kept = torch.full((V,), -1, dtype=torch.long, device=embed.device)
-        self.to_kept[self.kept_ids] = torch.arange(len(self.kept_ids), device=embed.device)
+        self.kept_ids, self.to_kept = vocab_maps(data, target, self.draft_vocab, embed.device)
         torch.manual_seed(0)
         with torch.device("meta"):
             net = Eagle3Net(args, D, len(self.kept_ids), self.target_taps(target), self.norm_before_residual)
@@ -158,7 +156,7 @@ class Eagle3Trainable:
         if not valid.any():
             return taps.sum() * 0.0, {"kl": 0.0, "acc": 0.0}
         inner = module if hasattr(module, "target_rows") else module.module  # DDP wraps it
-        p_log = F.log_softmax(F.linear(h[:, 1:].float(), inner.target_rows.float()), -1)  # (B, T-1, K) target's
+        p_log = F.log_softmax(F.linear(h[:, 1:][valid], inner.target_rows.float()), -1)  # (N, K) target's, real pairs
         small = self.to_kept.to(labels.device)[labels[:, 1:].clamp_min(0)]  # x_{t+2} as a draft row, -1 if none
         scored = (labels[:, 1:] >= 0) & (small >= 0)
         loss = taps.new_zeros(())
@@ -168,7 +166,7 @@ class Eagle3Trainable:
             keep[:, :s - 1] = False  # pass s scores pairs with s - 1 real pairs before their guesses
             if not keep.any():
                 break
-            kl = F.kl_div(F.log_softmax(logits[keep].float(), -1), p_log[keep], log_target=True,
+            kl = F.kl_div(F.log_softmax(logits[keep].float(), -1), p_log[keep[valid]], log_target=True,
                           reduction="batchmean")
             loss = loss + kl / self.unroll
             suffix = "" if s == 1 else str(s)
