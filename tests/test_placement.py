@@ -316,3 +316,25 @@ def test_decoding_draws_only_with_the_engines_generator(cpu_target: LoadedModel,
     assert res.output_ids and asked == [strategy.engine.device]
     last = getattr(strategy, "last_proposer", None)
     assert not [p for p, g in reachable(strategy=strategy, proposer=last) if isinstance(g, torch.Generator)]
+
+
+def test_an_eagle3_trainable_is_built_on_the_targets_device() -> None:
+    """head=eagle3's module, its vocabulary maps and the target rows it scores against are built on the target's
+    device (trained in fp32 whatever the target's dtype). Its forward is not run here: the lazy device has no
+    complex tensors, which rope uses outside compiled steps."""
+    from heads.eagle3_train import Eagle3Trainable
+
+    try:
+        import torch._lazy.ts_backend
+
+        torch._lazy.ts_backend.init()
+    except (ImportError, RuntimeError, AttributeError) as e:
+        pytest.skip(f"torch's lazy-tensor device is unavailable ({e}); the placement test needs a second device")
+    deep = load_model("tiny-llama", "builtin:tiny-llama", dtype="bf16", device="lazy", matmul="torch",
+                      tiny={"num_hidden_layers": 8})
+    rows = [{"input_ids": list(range(3, 40)), "labels": [-100] * 5 + list(range(100, 132))}]
+    trainable = Eagle3Trainable(draft_vocab=KEPT)
+    module = trainable.build(deep, rows)
+    bad = [line for line in misplaced(deep, module=module, kept=trainable.kept_ids, to_kept=trainable.to_kept)
+           if " on " in line]  # device only: the drafter trains in fp32
+    assert not bad, "eagle3 training: " + "\n".join(bad[:20])
