@@ -140,15 +140,29 @@ def test_the_walker_finds_tensors_in_modules_closures_and_containers() -> None:
 # --------------------------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def lazy_target() -> LoadedModel:
-    """tiny-llama in bf16 on the lazy-tensor device (a second device that computes on the CPU)."""
+@functools.cache
+def _start_lazy() -> str | None:
+    """Start torch's lazy-tensor backend once per process (a second start raises); None, or why it is missing."""
     try:
         import torch._lazy.ts_backend
 
         torch._lazy.ts_backend.init()
     except (ImportError, RuntimeError, AttributeError) as e:
-        pytest.skip(f"torch's lazy-tensor device is unavailable ({e}); the placement test needs a second device")
+        return str(e)
+    return None
+
+
+def lazy_device() -> None:
+    """Skip unless the lazy-tensor device (a second device that computes on the CPU) is available."""
+    why = _start_lazy()
+    if why is not None:
+        pytest.skip(f"torch's lazy-tensor device is unavailable ({why}); the placement test needs a second device")
+
+
+@pytest.fixture(scope="module")
+def lazy_target() -> LoadedModel:
+    """tiny-llama in bf16 on the lazy-tensor device (a second device that computes on the CPU)."""
+    lazy_device()
     return load_model("tiny-llama", "builtin:tiny-llama", dtype="bf16", device="lazy", matmul="torch")
 
 
@@ -231,12 +245,7 @@ NAMES = ["greedy", "prompt_lookup", "lookahead", "draft", "draft_lm", "eagle", "
 def test_a_published_eagle3_drafter_is_built_on_the_targets_device(tmp_path: Path) -> None:
     """EAGLE-3 drafters are read from their published files on the CPU and built per target (bind): the
     built drafter, its draft-to-target id map and the proposer's state land on the target's device."""
-    try:
-        import torch._lazy.ts_backend
-
-        torch._lazy.ts_backend.init()
-    except (ImportError, RuntimeError, AttributeError) as e:
-        pytest.skip(f"torch's lazy-tensor device is unavailable ({e}); the placement test needs a second device")
+    lazy_device()
     deep = load_model("tiny-llama", "builtin:tiny-llama", dtype="bf16", device="lazy", matmul="torch",
                       tiny={"num_hidden_layers": 4})
     eagle3_checkpoint(tmp_path, deep, D=48, extra={"eagle_aux_hidden_state_layer_ids": [0, 1, 3]})
@@ -324,12 +333,7 @@ def test_an_eagle3_trainable_is_built_on_the_targets_device() -> None:
     complex tensors, which rope uses outside compiled steps."""
     from heads.eagle3_train import Eagle3Trainable
 
-    try:
-        import torch._lazy.ts_backend
-
-        torch._lazy.ts_backend.init()
-    except (ImportError, RuntimeError, AttributeError) as e:
-        pytest.skip(f"torch's lazy-tensor device is unavailable ({e}); the placement test needs a second device")
+    lazy_device()
     deep = load_model("tiny-llama", "builtin:tiny-llama", dtype="bf16", device="lazy", matmul="torch",
                       tiny={"num_hidden_layers": 8})
     rows = [{"input_ids": list(range(3, 40)), "labels": [-100] * 5 + list(range(100, 132))}]
