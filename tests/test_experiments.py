@@ -233,3 +233,42 @@ def test_scaling_table_orders_drafters_by_their_training_tokens(tmp_path: Path) 
     rows = table.rows(tmp_path / "run", tmp_path)
     assert [(r["strategy"], r["tokens"], r["tau"]) for r in rows] == [("small", 100, 1.0), ("big", 900, 9.0)]
     assert table.table(tmp_path / "run", tmp_path).splitlines()[2].startswith("| small | 100 | 10 | 3 | 0.500 | 1.00")
+
+
+def _script(name: str):
+    spec = importlib.util.spec_from_file_location(name, CONFIG_DIR.parent / "experiments" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_heldapart_overlap_and_paired_exclude(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                              capsys: pytest.CaptureFixture[str]) -> None:
+    # A checkpoint trained on a held-apart question's passage must not be judged on it: the overlap finder
+    # names exactly the questions sharing a 13-gram, and paired.py drops them from the comparison.
+    passage = " ".join(f"w{i}" for i in range(20))
+    questions = [{"question_id": "seen", "category": "qa", "turns": ["intro", f"Summarize: {passage} please"]},
+                 {"question_id": "apart", "category": "qa", "turns": [" ".join(f"v{i}" for i in range(20))]},
+                 {"question_id": "short", "category": "qa", "turns": ["w0 w1 w2"]}]
+    qfile = tmp_path / "q.jsonl"
+    qfile.write_text("".join(json.dumps(q) + "\n" for q in questions))
+    overlap = _script("heldapart_overlap")
+    assert overlap.overlapping([f"Please read {passage[:60]} and {passage}"], qfile) == ["seen"]
+    assert overlap.overlapping([" ".join(f"w{i}" for i in range(12))], qfile) == []  # 12 shared words: clean
+
+    # "seen" is where B is slow; leaving it out flips the verdict from A better to a tie.
+    rows = [{"question_id": q, "strategy": s, "new_tokens": 100, "wall_time_s": t}
+            for q, ta, tb in [("seen", 1.0, 3.0), ("apart", 1.0, 1.0), ("short", 1.0, 1.0)]
+            for s, t in (("a", ta), ("b", tb))]
+    (tmp_path / "answers.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (tmp_path / "skip.txt").write_text("# comment\nseen\n")
+    paired = _script("paired")
+    monkeypatch.setattr("sys.argv", ["paired.py", str(tmp_path), "a", "b"])
+    paired.main()
+    assert "a / b: 1.667" in capsys.readouterr().out
+    monkeypatch.setattr("sys.argv", ["paired.py", str(tmp_path), "a", "b", "--exclude", str(tmp_path / "skip.txt")])
+    paired.main()
+    assert "a / b: 1.000 [1.000, 1.000] (a tie, 2 answers after --exclude)" in capsys.readouterr().out
+    (tmp_path / "skip.txt").write_text("nowhere\n")
+    with pytest.raises(SystemExit, match="not in this run"):
+        paired.main()
