@@ -41,7 +41,13 @@ def main() -> None:
     lo, hi = speedup_ci(a, b, point) or (point, point)
     verdict = "a tie" if lo <= 1 <= hi else ("better" if lo > 1 else "worse")
     left = f", {len(a)} answers after --exclude" if args.exclude is not None else ""
-    print(f"{args.a} / {args.b}: {point:.3f} [{lo:.3f}, {hi:.3f}] ({verdict}{left})")
+    print(f"{args.a} / {args.b}: {point:.3f} [{lo:.3f}, {hi:.3f}] ({verdict}{left}); tau {tau(a)} and {tau(b)}")
+
+
+def tau(rows: list[dict]) -> str:
+    """Mean accepted tokens per target pass over the answers (what summary.json calls mean_accepted_tokens)."""
+    steps = sum(len(r.get("accept_lengths") or []) for r in rows)
+    return f"{sum(sum(r['accept_lengths']) for r in rows if r.get('accept_lengths')) / steps:.2f}" if steps else "-"
 
 
 if __name__ == "__main__":
