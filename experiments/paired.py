@@ -3,7 +3,7 @@ prints A's speedup over B (tokens/s ratio) with a 95% paired bootstrap interval 
 (specdec.metrics.speedup_ci, as summary.json's `speedup_ci` against the baseline). An interval holding
 1 is a tie: choose defaults on held-apart runs only (experiments/heldapart/). `--exclude FILE` leaves out the
 questions it lists (one id a line, `#` comments), e.g. those of a held-apart set that a checkpoint was trained
-on (experiments/heldapart_overlap.py)."""
+on (experiments/heldapart_overlap.py); `--only FILE` keeps just those, to read the overlapping part itself."""
 
 from __future__ import annotations
 
@@ -19,18 +19,15 @@ def main() -> None:
     ap.add_argument("run_dir", type=Path)
     ap.add_argument("a")
     ap.add_argument("b")
-    ap.add_argument("--exclude", type=Path, default=None, help="question ids to leave out, one a line")
+    ids = ap.add_mutually_exclusive_group()
+    ids.add_argument("--exclude", type=Path, default=None, help="question ids to leave out, one a line")
+    ids.add_argument("--only", type=Path, default=None, help="question ids to keep, one a line")
     args = ap.parse_args()
     rows = [json.loads(line) for line in (args.run_dir / "answers.jsonl").read_text().splitlines() if line]
-    if args.exclude is not None:
-        if not args.exclude.is_file():
-            raise SystemExit(f"--exclude {args.exclude}: no such file; give a file of question ids, one a line")
-        skip = {ln.strip() for ln in args.exclude.read_text().splitlines() if ln.strip() and not ln.startswith("#")}
-        unknown = skip - {str(r["question_id"]) for r in rows}
-        if unknown:
-            raise SystemExit(f"--exclude {args.exclude}: {len(unknown)} ids are not in this run "
-                             f"(e.g. {sorted(unknown)[0]!r}); list question ids of {args.run_dir}")
-        rows = [r for r in rows if str(r["question_id"]) not in skip]
+    flag, listed = ("--exclude", args.exclude) if args.exclude is not None else ("--only", args.only)
+    if listed is not None:
+        chosen = read_ids(flag, listed, rows, args.run_dir)
+        rows = [r for r in rows if (str(r["question_id"]) in chosen) == (flag == "--only")]
     a = [r for r in rows if r["strategy"] == args.a]
     b = [r for r in rows if r["strategy"] == args.b]
     if not a or not b:
@@ -40,8 +37,20 @@ def main() -> None:
         sum(r["new_tokens"] for r in b) / sum(r["wall_time_s"] for r in b))
     lo, hi = speedup_ci(a, b, point) or (point, point)
     verdict = "a tie" if lo <= 1 <= hi else ("better" if lo > 1 else "worse")
-    left = f", {len(a)} answers after --exclude" if args.exclude is not None else ""
+    left = f", {len(a)} answers after {flag}" if listed is not None else ""
     print(f"{args.a} / {args.b}: {point:.3f} [{lo:.3f}, {hi:.3f}] ({verdict}{left}); tau {tau(a)} and {tau(b)}")
+
+
+def read_ids(flag: str, path: Path, rows: list[dict], run_dir: Path) -> set[str]:
+    """The question ids listed in `path` (one a line, `#` comments); each must be a question of the run."""
+    if not path.is_file():
+        raise SystemExit(f"{flag} {path}: no such file; give a file of question ids, one a line")
+    listed = {ln.strip() for ln in path.read_text().splitlines() if ln.strip() and not ln.startswith("#")}
+    unknown = listed - {str(r["question_id"]) for r in rows}
+    if unknown:
+        raise SystemExit(f"{flag} {path}: {len(unknown)} ids are not in this run "
+                         f"(e.g. {sorted(unknown)[0]!r}); list question ids of {run_dir}")
+    return listed
 
 
 def tau(rows: list[dict]) -> str:

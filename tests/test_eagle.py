@@ -26,7 +26,7 @@ from specdec.engine.sampling import SamplingParams, warp
 from specdec.errors import SpecdecError
 from specdec.models.loader import LoadedModel, load_model
 from specdec.strategies.base import DecodeState, GenerationParams
-from specdec.strategies.draft import Confidence, FixedLength
+from specdec.strategies.draft import Confidence, CostAware, FixedLength
 from specdec.strategies.eagle import EagleStrategy
 from specdec.strategies.greedy import Greedy
 
@@ -79,6 +79,19 @@ class OracleNet:
         return logits[:, -n:][:, logits_from:], h[:, -n:]
 
 
+class SecondBestNet(OracleNet):
+    """The oracle with its first two choices swapped at every third position: there its chain token is
+    wrong and its second choice is the target's."""
+
+    def __call__(self, tokens: torch.Tensor, features: torch.Tensor, positions: torch.Tensor, cache: KVCache,
+                 mask: torch.Tensor | None = None, logits_from: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        logits, h = super().__call__(tokens, features, positions, cache, mask, logits_from)
+        top2 = logits.topk(2, dim=-1).indices  # (B, T, 2)
+        swap = (positions[:, logits_from:] % 3 == 0).unsqueeze(-1)  # (B, T, 1)
+        values = logits.gather(-1, top2)
+        return logits.scatter(-1, top2, torch.where(swap, values.flip(-1), values)), h
+
+
 @pytest.mark.parametrize("schedule", [FixedLength(4), Confidence(0.3, 3)], ids=["fixed4", "confidence"])
 def test_eagle_reproduces_greedy(tiny_target: LoadedModel, untrained: Path, schedule: Any) -> None:
     strategy = EagleStrategy(tiny_target, "eagle", load_eagle(str(untrained)), schedule, 512, 64)
@@ -112,6 +125,27 @@ def test_target_cache_matches_recomputation_after_rejections(tiny_target: Loaded
         fresh = strategy.engine.prefill(state.ids[:-1]).hidden  # the target's features (and cache as it was)
         torch.testing.assert_close(proposer.pending, fresh[proposer.fed:], atol=1e-4, rtol=1e-4)
     assert rejected >= 4
+
+
+def test_second_choices_beside_the_chain_keep_greedy_and_the_pairs_right(tiny_target: LoadedModel) -> None:
+    # The cost-aware schedule with free verification (a flat pass-cost curve) verifies the drafter's second
+    # choice beside every chain token. When the target takes one, the drafter's next pairs must be built on
+    # that token's real feature, not on the rejected chain token's.
+    prompt = prompt_ids(tiny_target, PROMPTS[1])
+    schedule = CostAware(max_gamma=3, cost_ratio=0.0, verify_cost=0.0, siblings=3)
+    strategy = EagleStrategy(tiny_target, "eagle", SecondBestNet(tiny_target, prompt[0]), schedule, 512, 64)
+    assert schedule.curve is not None
+    schedule.curve = [1.0] * len(schedule.curve)
+    trees = sibling_wins = 0
+    for state, proposal, verdict, proposer in speculative_rounds(strategy, prompt, 30, GenerationParams(300)):
+        drafted = next((i for i, p in enumerate(proposal.parents) if p != i), len(proposal.parents))
+        trees += not proposal.is_chain
+        sibling_wins += bool(verdict.nodes) and verdict.nodes[-1] > drafted
+        assert_kv_matches_fresh(strategy.engine, state.ids[:-1])
+        fresh = strategy.engine.prefill(state.ids[:-1]).hidden
+        torch.testing.assert_close(proposer.pending, fresh[proposer.fed:], atol=1e-4, rtol=1e-4)
+    assert trees >= 20 and sibling_wins >= 5
+    assert strategy.generate(prompt, GenerationParams(60), 0).output_ids == greedy_ids(tiny_target, prompt, 60)
 
 
 @pytest.mark.parametrize("drafter", ["oracle", "random"])
@@ -177,12 +211,11 @@ def test_short_training_lowers_loss_and_ships_a_lossless_drafter(tmp_path: Path,
     assert "# eagle for tiny-llama" in (out / "README.md").read_text()
     scfg = group_config("strategy", "eagle")  # composed: its schedule comes from the defaults list
     scfg.drafter.path = str(out)
-    scfg.schedule.threshold = 0.0
     strategy = instantiate(scfg)(target=tiny_target, max_len=512, prefill_chunk=64)
     assert strategy.net.token_ids is not None and len(strategy.net.token_ids) == 128
     prompt = prompt_ids(tiny_target, "Rewrite this sentence politely.")
     res = strategy.generate(prompt, GenerationParams(24), 0)
-    assert res.output_ids == greedy_ids(tiny_target, prompt, 24)
+    assert res.output_ids == greedy_ids(tiny_target, prompt, 24) and res.proposed > 0
 
 
 @pytest.mark.parametrize("backend,matmul", [("hf", "torch"), ("compact", "numba")])

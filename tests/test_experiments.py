@@ -242,10 +242,10 @@ def _script(name: str):
     return module
 
 
-def test_heldapart_overlap_and_paired_exclude(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                              capsys: pytest.CaptureFixture[str]) -> None:
+def test_heldapart_overlap_and_paired_exclude_only(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
     # A checkpoint trained on a held-apart question's passage must not be judged on it: the overlap finder
-    # names exactly the questions sharing a 13-gram, and paired.py drops them from the comparison.
+    # names exactly the questions sharing a 13-gram; paired.py drops them (--exclude) or keeps only them (--only).
     passage = " ".join(f"w{i}" for i in range(20))
     questions = [{"question_id": "seen", "category": "qa", "turns": ["intro", f"Summarize: {passage} please"]},
                  {"question_id": "apart", "category": "qa", "turns": [" ".join(f"v{i}" for i in range(20))]},
@@ -269,6 +269,9 @@ def test_heldapart_overlap_and_paired_exclude(tmp_path: Path, monkeypatch: pytes
     monkeypatch.setattr("sys.argv", ["paired.py", str(tmp_path), "a", "b", "--exclude", str(tmp_path / "skip.txt")])
     paired.main()
     assert "a / b: 1.000 [1.000, 1.000] (a tie, 2 answers after --exclude)" in capsys.readouterr().out
+    monkeypatch.setattr("sys.argv", ["paired.py", str(tmp_path), "a", "b", "--only", str(tmp_path / "skip.txt")])
+    paired.main()
+    assert "a / b: 3.000 [3.000, 3.000] (better, 1 answers after --only)" in capsys.readouterr().out
     (tmp_path / "skip.txt").write_text("nowhere\n")
     with pytest.raises(SystemExit, match="not in this run"):
         paired.main()
