@@ -255,6 +255,7 @@ def strategy_builders(models: Models, dtype: str, compiled: bool) -> dict[str, C
         "hydra_copy": lambda t: Medusa(t, "hydra_copy", max_len=n, heads=heads(t, sequential=True), tree="dynamic",
                                        nodes=6, copy_tokens=8),
         "eagle_random": lambda t: EagleStrategy(t, "eagle", eagle_net(t), FixedLength(3), n),
+        "eagle_siblings": lambda t: EagleStrategy(t, "eagle", eagle_net(t), CostAware(max_gamma=6, siblings=2), n),
         "eagle2_random": lambda t: Eagle2(t, "eagle2", eagle_net(t), depth=3, topk=2, nodes=5, max_len=n),
         "prompt_lookup": lambda t: PromptLookup(t, max_len=n, num_draft_tokens=7),
         "prompt_lookup_tree": lambda t: PromptLookup(t, max_len=n, num_draft_tokens=4, num_candidates=3,

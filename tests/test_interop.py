@@ -339,9 +339,9 @@ def test_published_eagle_drafter_runs_in_the_strategy(tiny_target: LoadedModel, 
     eagle_folder(tmp_path, tiny_target, 1, True, "pytorch_model.bin", False)
     scfg = group_config("strategy", "eagle")  # composed: its schedule comes from the defaults list
     scfg.drafter = {"_target_": "heads.interop.eagle_layout.load_eagle_layout", "path": str(tmp_path)}
-    scfg.schedule.threshold = 0.0
     eagle = instantiate(scfg)(target=tiny_target, max_len=512, prefill_chunk=64)
-    assert eagle.generate(PROMPT, GenerationParams(20), 0).output_ids == greedy_ids(tiny_target, PROMPT, 20)
+    res = eagle.generate(PROMPT, GenerationParams(20), 0)
+    assert res.output_ids == greedy_ids(tiny_target, PROMPT, 20) and res.proposed > 0
 
 
 def test_eagle1_trained_drafter_round_trips_through_the_published_layout(tiny_target: LoadedModel,

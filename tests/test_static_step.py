@@ -21,7 +21,7 @@ from specdec.engine.static_step import bucket
 from specdec.errors import SpecdecError
 from specdec.models.loader import LoadedModel, load_model
 from specdec.strategies.base import GenerationParams, SpeculativeStrategy
-from specdec.strategies.draft import DraftStrategy, FixedLength
+from specdec.strategies.draft import CostAware, DraftStrategy, FixedLength
 from specdec.strategies.eagle import EagleStrategy
 from specdec.strategies.eagle_tree import Eagle2
 from specdec.strategies.greedy import Greedy
@@ -112,6 +112,13 @@ def test_the_step_compiles_as_one_graph(tiny_target: LoadedModel) -> None:
     assert report.graph_break_count == 0 and report.graph_count == 1
 
 
+def _branching(strategy: EagleStrategy) -> EagleStrategy:
+    """Verification made free (a flat pass-cost curve): the cost-aware schedule adds second choices every round."""
+    curve = strategy.schedule.curve  # type: ignore[attr-defined]
+    strategy.schedule.curve = [1.0] * len(curve)  # type: ignore[attr-defined]
+    return strategy
+
+
 def _strategies(target: LoadedModel, draft: LoadedModel) -> dict[str, SpeculativeStrategy]:
     eagle_net = EagleTrainable(kept_vocab=0).build(target, None).net.eval()
     return {
@@ -122,6 +129,8 @@ def _strategies(target: LoadedModel, draft: LoadedModel) -> dict[str, Speculativ
         "medusa": Medusa(target, max_len=MAX_LEN, heads=medusa_heads(target, num_heads=3, seed=0), tree="default",
                          acceptance="exact"),
         "eagle": EagleStrategy(target, "eagle", eagle_net, FixedLength(3), MAX_LEN),
+        "eagle_branching": _branching(EagleStrategy(target, "eagle", eagle_net, CostAware(3, 0.0, 0.0, siblings=2),
+                                                    MAX_LEN)),
         "eagle2": Eagle2(target, "eagle2", eagle_net, depth=3, topk=2, nodes=5, max_len=MAX_LEN),
         "draft_lookup": LookupHybrid(target, "draft_lookup", partial(DraftStrategy, name="draft", draft=draft,
                                                                      schedule=FixedLength(4)), MAX_LEN),
