@@ -201,8 +201,9 @@ def strategies(saved: dict[str, Path]) -> dict[str, Callable[[LoadedModel], Spec
         return functools.partial(DraftStrategy, name="draft", draft=load_draft(str(saved["draft"])),
                                  schedule=schedule())
 
-    def eagle() -> Callable[..., EagleStrategy]:
-        return functools.partial(EagleStrategy, name="eagle", drafter=load_eagle(str(saved["eagle"])))
+    def eagle() -> Callable[..., EagleStrategy]:  # as configs/strategy/eagle.yaml: chains with second choices
+        return functools.partial(EagleStrategy, name="eagle", drafter=load_eagle(str(saved["eagle"])),
+                                 schedule=CostAware(siblings=1))
 
     def medusa(**kw: Any) -> Callable[..., Medusa]:
         heads = functools.partial(medusa_heads, path=str(saved["medusa"]))  # as Hydra builds it
