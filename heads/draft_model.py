@@ -168,6 +168,10 @@ class SavedDrafter:
     # bfloat16 (half the bytes to stream) or int8 with a scale per output (a quarter). Lossless either
     # way: the target checks every guess.
     weights: str = "fp32"
+    # rows the drafter scores (None: the kept rows it was trained on). Its head is the target's own frozen
+    # rows, so more rows need no retraining: the kept ones, then the lowest other target ids (a BPE
+    # vocabulary's ids follow its merge order, roughly frequency). Proposals only; lossless either way.
+    rows: int | None = None
     _bound: dict[int, Any] = field(default_factory=dict, repr=False)
     HEAD: ClassVar[str] = ""  # the configs/head/ entry that trains it
     WHAT: ClassVar[str] = ""  # how errors name it
@@ -191,7 +195,7 @@ class SavedDrafter:
         from safetensors.torch import load_file
 
         tensors = load_file(str(self.folder / weights))
-        kept_ids = tensors.pop("kept_ids").long().to(target.device)
+        kept_ids = widen_rows(tensors.pop("kept_ids").long(), self.rows, target.vocab_size).to(target.device)
         return kept_ids, {k: v.to(device=target.device, dtype=target.dtype) for k, v in tensors.items()}
 
     def ready(self, net: nn.Module, kept_ids: Tensor, target: LoadedModel) -> None:
@@ -205,7 +209,7 @@ class SavedDrafter:
 
     @classmethod
     def load(cls, path: str | Path, config_file: str, weights_file: str, fmt: str, alternative: str = "",
-             weights: str = "fp32") -> Any:
+             weights: str = "fp32", rows: int | None = None) -> Any:
         """The drafter saved in `path` (relative: the working directory, then the repository) as
         `config_file` and `weights_file`; `weights`: the CPU kernels' copy, fp32, bf16 or int8 (the field above)."""
         if weights not in cpu_kernels.KINDS:
@@ -220,7 +224,20 @@ class SavedDrafter:
         if meta.get("format") != fmt:
             raise SpecdecError(f"{folder / config_file} is not a specdec {cls.WHAT} ({fmt}); retrain it with "
                                f"python -m heads.train head={cls.HEAD}")
-        return cls(folder, meta, weights)
+        return cls(folder, meta, weights, rows)
+
+
+def widen_rows(kept_ids: Tensor, rows: int | None, vocab: int) -> Tensor:
+    """(rows,) target ids: the trained `kept_ids` (K,) first, then the lowest ids not among them; rows=None
+    or K: kept_ids as saved; rows past the vocabulary: all of it."""
+    if rows is None or rows == len(kept_ids):
+        return kept_ids
+    if rows < len(kept_ids):
+        raise SpecdecError(f"rows={rows} is below the {len(kept_ids)} rows this drafter was trained on; give null "
+                           f"(its own rows) or at least {len(kept_ids)}")
+    rest = torch.ones(vocab, dtype=torch.bool)
+    rest[kept_ids] = False
+    return torch.cat([kept_ids, rest.nonzero()[:, 0][:rows - len(kept_ids)]])
 
 
 class DraftCheckpoint(SavedDrafter):
@@ -259,11 +276,12 @@ def resolve_path(path: str | Path) -> Path:
     return REPO / p
 
 
-def load_draft(path: str, weights: str = "fp32") -> DraftCheckpoint:
+def load_draft(path: str, weights: str = "fp32", rows: int | None = None) -> DraftCheckpoint:
     """Entry point of the strategy configs: the trained draft in `path` (heads/checkpoints/MODEL-draft),
-    its matrices run in fp32, bf16 or int8 by the CPU kernels (`weights`)."""
+    its matrices run in fp32, bf16 or int8 by the CPU kernels (`weights`), scoring `rows` target rows
+    (SavedDrafter.rows; None: the kept rows it was trained on)."""
     return DraftCheckpoint.load(path, CONFIG, WEIGHTS, FORMAT, ", or use strategy=draft_lm with a draft model",
-                                weights=weights)
+                                weights=weights, rows=rows)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -128,10 +128,11 @@ class EagleCheckpoint(SavedDrafter):
         return net
 
 
-def load_eagle(path: str, weights: str = "fp32") -> EagleCheckpoint:
+def load_eagle(path: str, weights: str = "fp32", rows: int | None = None) -> EagleCheckpoint:
     """Entry point of configs/strategy/eagle.yaml: the drafter in `path` (heads/checkpoints/MODEL-eagle),
-    its matrices run in fp32, bf16 or int8 by the CPU kernels (`weights`)."""
-    return EagleCheckpoint.load(path, CONFIG, WEIGHTS, FORMAT, weights=weights)
+    its matrices run in fp32, bf16 or int8 by the CPU kernels (`weights`), scoring `rows` target rows
+    (SavedDrafter.rows; None: the kept rows it was trained on)."""
+    return EagleCheckpoint.load(path, CONFIG, WEIGHTS, FORMAT, weights=weights, rows=rows)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -18,6 +18,7 @@ from helpers import (
 from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 
+from heads.draft_model import target_head
 from heads.eagle import EagleTrainable, EagleTrainModule, load_eagle
 from heads.train import train
 from specdec.cli_checks import CONFIG_DIR, group_config
@@ -146,6 +147,41 @@ def test_second_choices_beside_the_chain_keep_greedy_and_the_pairs_right(tiny_ta
         torch.testing.assert_close(proposer.pending, fresh[proposer.fed:], atol=1e-4, rtol=1e-4)
     assert trees >= 20 and sibling_wins >= 5
     assert strategy.generate(prompt, GenerationParams(60), 0).output_ids == greedy_ids(tiny_target, prompt, 60)
+
+
+def test_more_rows_score_more_of_the_target_head_and_stay_lossless(tiny_target: LoadedModel,
+                                                                   tmp_path: Path) -> None:
+    # A drafter trained on 64 kept rows, loaded with 160: the first 64 rows and their logits are the trained
+    # ones, the rest the lowest other target ids scored by the same (target's) head.
+    trainable = EagleTrainable(kept_vocab=64, save_dtype="fp32")
+    rows = [{"input_ids": list(range(100, 300)), "labels": list(range(101, 301))}]
+    module = trainable.build(tiny_target, rows)
+    with torch.no_grad():
+        module.net.fc.weight.mul_(8)
+    trainable.save(module, tmp_path, {"steps": 0})
+    kept, wide = load_eagle(str(tmp_path)).bind(tiny_target), load_eagle(str(tmp_path), rows=160).bind(tiny_target)
+    assert kept.token_ids is not None and wide.token_ids is not None
+    assert len(kept.token_ids) == 64 and len(wide.token_ids) == 160 and len(set(wide.token_ids.tolist())) == 160
+    assert torch.equal(wide.token_ids[:64], kept.token_ids)
+    extra = sorted(set(range(tiny_target.vocab_size)) - set(kept.token_ids.tolist()))[:96]
+    assert wide.token_ids[64:].tolist() == extra
+    ids, feats = torch.tensor([[5, 9, 31]]), torch.randn(1, 3, tiny_target.hidden_size)
+    with torch.no_grad():
+        small, _ = kept(ids, feats, torch.arange(3)[None], kept.new_cache(16), None)
+        big, _ = wide(ids, feats, torch.arange(3)[None], wide.new_cache(16), None)
+    torch.testing.assert_close(big[..., :64], small)
+    torch.testing.assert_close(wide.lm_head.weight[64:], target_head(tiny_target)[wide.token_ids[64:]])
+    strategy = EagleStrategy(tiny_target, "eagle", load_eagle(str(tmp_path), rows=160), FixedLength(3), 512, 64)
+    proposed_outside, trained = 0, set(kept.token_ids.tolist())
+    for text in PROMPTS:
+        prompt = prompt_ids(tiny_target, text)
+        assert strategy.generate(prompt, GenerationParams(40), 0).output_ids == greedy_ids(tiny_target, prompt, 40)
+    prompt = prompt_ids(tiny_target, PROMPTS[0])
+    for _, proposal, _, _ in speculative_rounds(strategy, prompt, 10, GenerationParams(100)):
+        proposed_outside += sum(t not in trained for t in proposal.tokens)
+    assert proposed_outside > 0  # the added rows really get proposed
+    with pytest.raises(SpecdecError, match="below the 64 rows"):
+        load_eagle(str(tmp_path), rows=32).bind(tiny_target)
 
 
 @pytest.mark.parametrize("drafter", ["oracle", "random"])
