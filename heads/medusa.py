@@ -28,7 +28,7 @@ import hashlib
 import json
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -396,9 +396,10 @@ def check_match(cfg: MedusaConfig, target: LoadedModel, where: str) -> None:
 
 
 def load_heads(target: LoadedModel, path: str | Path, weights: str = "fp32",
-               block_weights: str = "fp32") -> MedusaHeads:
+               block_weights: str = "fp32", rows: int | None = None) -> MedusaHeads:
     """Heads saved by `MedusaHeads.save`, checked against the target they will run on; `weights` and
-    `block_weights`: see `MedusaHeads.use_cpu_kernels`."""
+    `block_weights`: see `MedusaHeads.use_cpu_kernels`; `rows`: score that many rows of the target's head
+    (heads.draft_model.widen_rows: the kept rows, then the lowest other ids; shared projection only)."""
     from safetensors.torch import load_file
 
     folder = Path(path).expanduser()
@@ -418,6 +419,14 @@ def load_heads(target: LoadedModel, path: str | Path, weights: str = "fp32",
                            "retrain the heads") from None
     check_match(cfg, target, str(folder))
     state = load_file(str(weights_file))
+    if rows is not None and cfg.head_vocab is not None:
+        if cfg.projection != "shared":
+            raise SpecdecError(f"strategy.heads.rows={rows} needs heads on the target's shared head; these in {folder} "
+                               "have their own projections (projection: own): leave rows null")
+        from heads.draft_model import widen_rows
+
+        state["kept_ids"] = widen_rows(state["kept_ids"].long(), rows, cfg.vocab_size)
+        cfg = replace(cfg, head_vocab=None if len(state["kept_ids"]) == cfg.vocab_size else len(state["kept_ids"]))
     heads = heads_for(cfg, output_weight(target), state.get("kept_ids") if cfg.head_vocab is not None else None)
     missing, unexpected = heads.load_state_dict(state, strict=False)
     if missing or unexpected:
@@ -444,17 +453,18 @@ def _for_inference(heads: MedusaHeads, target: LoadedModel, weights: str = "fp32
 def medusa_heads(target: LoadedModel, path: str | None = None, num_heads: int = 4, num_layers: int = 1,
                  projection: str = "shared", head_vocab: int | None = None, seed: int | None = None,
                  weights: str = "fp32", root_input: bool = False, sequential: bool = False,
-                 block_weights: str = "fp32", chain_head0: bool = False) -> MedusaHeads:
+                 block_weights: str = "fp32", chain_head0: bool = False, rows: int | None = None) -> MedusaHeads:
     """Strategy config entry (`strategy.heads`): trained heads from `path`, or untrained ones when path is null.
 
     Untrained heads start as copies of the target's own head (zero-initialised blocks); `seed` gives
     them random blocks instead, which tests use to get wrong guesses on purpose (drawn on the CPU, so
     the same seed gives the same heads on every device). `weights` and
     `block_weights`: the CPU kernels' copies of the shared projection and of the blocks
-    (`MedusaHeads.use_cpu_kernels`). `root_input`, `sequential`, `chain_head0`: `MedusaConfig`.
+    (`MedusaHeads.use_cpu_kernels`). `root_input`, `sequential`, `chain_head0`: `MedusaConfig`. `rows`:
+    trained heads only, see `load_heads`.
     """
     if path:
-        return load_heads(target, path, weights, block_weights)
+        return load_heads(target, path, weights, block_weights, rows)
     cfg = new_config(target, num_heads, num_layers, projection, head_vocab, root_input, sequential, chain_head0)
     weight = output_weight(target)
     kept = torch.arange(cfg.head_vocab, device=weight.device) if cfg.head_vocab is not None else None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -159,6 +160,26 @@ def test_save_load_round_trip(tiny_target: LoadedModel, tmp_path: Path, projecti
     torch.testing.assert_close(loaded(h), heads(h), rtol=0, atol=0)
     assert loaded.kept_ids.tolist() == heads.kept_ids.tolist()
     assert loaded.cfg == heads.cfg
+
+
+def test_more_rows_widen_shared_heads_and_stay_lossless(tiny_target: LoadedModel, tmp_path: Path) -> None:
+    cfg = medusa_heads(tiny_target, num_heads=3, head_vocab=64).cfg
+    heads = MedusaHeads(cfg, output_weight(tiny_target), torch.arange(64) * 7)
+    with torch.no_grad():
+        for p in heads.parameters():
+            p.add_(torch.randn(p.shape) * 0.1)
+    heads.save(tmp_path / "m", {"steps": 3})
+    wide = load_heads(tiny_target, tmp_path / "m", rows=160)
+    assert wide.kept_ids[:64].tolist() == heads.kept_ids.tolist() and wide.cfg.head_vocab == 160
+    assert wide.kept_ids[64:].tolist() == sorted(set(range(VOCAB)) - set(heads.kept_ids.tolist()))[:96]
+    h = torch.randn(6, 64)
+    torch.testing.assert_close(wide(h)[..., :64], heads(h))  # the trained rows score as before
+    medusa = Medusa(tiny_target, max_len=256, heads=wide, tree=TREES["default"])
+    for prompt, want in zip(PROMPTS, _greedy_outputs(tiny_target, PROMPTS, 30)):
+        assert medusa.generate(prompt, GenerationParams(30), 0).output_ids == want
+    MedusaHeads(replace(cfg, projection="own"), output_weight(tiny_target), torch.arange(64)).save(tmp_path / "own")
+    with pytest.raises(SpecdecError, match="own projections"):
+        load_heads(tiny_target, tmp_path / "own", rows=160)
 
 
 def test_heads_of_another_model_are_refused(tiny_target: LoadedModel, load_tiny, tmp_path: Path) -> None:
