@@ -275,3 +275,25 @@ def test_heldapart_overlap_and_paired_exclude_only(tmp_path: Path, monkeypatch: 
     (tmp_path / "skip.txt").write_text("nowhere\n")
     with pytest.raises(SystemExit, match="not in this run"):
         paired.main()
+
+
+def test_row_coverage_counts_the_baselines_tokens_in_the_rows(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                               capsys: pytest.CaptureFixture[str]) -> None:
+    import torch
+    from safetensors.torch import save_file
+
+    save_file({"kept_ids": torch.tensor([1, 2, 3], dtype=torch.int32)}, str(tmp_path / "eagle.safetensors"))
+    rows = [{"strategy": "greedy", "category": "qa", "output_ids": [1, 2, 5, 9]},
+            {"strategy": "greedy", "category": "code", "output_ids": [3, 3, 4, 0]},
+            {"strategy": "eagle", "category": "qa", "output_ids": [7, 7, 7, 7]}]  # not the baseline: not counted
+    (tmp_path / "answers.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (tmp_path / "summary.json").write_text(json.dumps({"baseline": "greedy"}))
+    script = _script("row_coverage")
+    # rows=5 adds the lowest ids not kept: 0 and 4
+    monkeypatch.setattr("sys.argv", ["row_coverage.py", str(tmp_path), str(tmp_path), "--rows", "5", "--vocab", "10"])
+    script.main()
+    out = capsys.readouterr().out
+    assert "8 output tokens in 3 kept rows: 0.500; qa 0.500, code 0.500" in out and "rows=5: 0.750" in out
+    monkeypatch.setattr("sys.argv", ["row_coverage.py", str(tmp_path), str(tmp_path / "none")])
+    with pytest.raises(SystemExit, match="holds none of"):
+        script.main()
