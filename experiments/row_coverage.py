@@ -11,6 +11,7 @@ import json
 from collections import Counter
 from pathlib import Path
 
+import torch
 from safetensors.torch import load_file
 
 from heads.draft_model import widen_rows
@@ -46,8 +47,6 @@ def main() -> None:
     answers = [json.loads(line) for line in (args.run_dir / "answers.jsonl").read_text().splitlines() if line]
     baseline = json.loads((args.run_dir / "summary.json").read_text())["baseline"]
     answers = [r for r in answers if r["strategy"] == baseline]
-    import torch
-
     kept = kept_ids(args.checkpoint)
     share, by_category = coverage(answers, set(kept))
     print(f"{baseline}'s {sum(len(r['output_ids']) for r in answers)} output tokens in {len(kept)} kept rows: "

@@ -90,6 +90,27 @@ def test_draft_reproduces_greedy(target: LoadedModel, wrong_draft: LoadedModel, 
             assert res.accepted <= res.proposed // 4  # a different random model rarely agrees
 
 
+def test_a_saved_draft_with_more_rows_stays_lossless(target: LoadedModel, tmp_path: Any) -> None:
+    # A distilled draft trained on 64 kept rows, run on 160: its logits' rows are the kept ids, then the lowest
+    # other ids; the output stays greedy's whichever rows it proposes from.
+    from heads.draft_model import DraftTrainable, load_draft
+
+    rows = [{"input_ids": list(range(100, 300)), "labels": [-100] * 10 + list(range(110, 300))}]
+    trainable = DraftTrainable(layers=1, kept_vocab=64, save_dtype="fp32")
+    trainable.save(trainable.build(target, rows), tmp_path, {"steps": 0})
+    kept = load_draft(str(tmp_path)).bind(target).token_ids.tolist()
+    net = load_draft(str(tmp_path), rows=160).bind(target)
+    assert net.token_ids[:64].tolist() == kept and len(set(net.token_ids.tolist())) == 160
+    strategy = DraftStrategy(target, "draft", load_draft(str(tmp_path), rows=160), FixedLength(3), 512, 64)
+    outside = 0
+    for text in PROMPTS:
+        prompt = prompt_ids(target, text)
+        assert strategy.generate(prompt, GenerationParams(30), 0).output_ids == greedy_ids(target, prompt, 30)
+        for _, proposal, _, _ in speculative_rounds(strategy, prompt, 8, GenerationParams(100)):
+            outside += sum(t not in kept for t in proposal.tokens.tolist())
+    assert outside > 0  # the added rows are proposed
+
+
 @pytest.mark.parametrize("schedule", [Heuristic(gamma=2, max_gamma=8), Confidence(threshold=0.4, max_gamma=8),
                                       CostAware(max_gamma=8, cost_ratio=0.01, verify_cost=0.0)],
                          ids=["heuristic", "confidence", "cost_aware"])

@@ -205,8 +205,8 @@ def strategies(saved: dict[str, Path]) -> dict[str, Callable[[LoadedModel], Spec
         return functools.partial(EagleStrategy, name="eagle", drafter=load_eagle(str(saved["eagle"])),
                                  schedule=CostAware(siblings=1))
 
-    def medusa(**kw: Any) -> Callable[..., Medusa]:
-        heads = functools.partial(medusa_heads, path=str(saved["medusa"]))  # as Hydra builds it
+    def medusa(rows: int | None = None, **kw: Any) -> Callable[..., Medusa]:
+        heads = functools.partial(medusa_heads, path=str(saved["medusa"]), rows=rows)  # as Hydra builds it
         return functools.partial(Medusa, name="medusa", **({"heads": heads} | kw))
 
     def sequential(**kw: Any) -> Callable[..., Medusa]:
@@ -224,9 +224,10 @@ def strategies(saved: dict[str, Path]) -> dict[str, Callable[[LoadedModel], Spec
         "draft": draft(),
         "draft_lm": lambda target, **kw: DraftStrategy(target, "draft_lm", target, FixedLength(3), **kw),
         "eagle": eagle(),
-        "eagle2": functools.partial(Eagle2, name="eagle2", drafter=load_eagle(str(saved["eagle"])), depth=2,
-                                    topk=2, nodes=3),
-        "medusa": medusa(tree="default", copy_tokens=3),
+        # rows past the trained ones: the widened head is built where the target is too
+        "eagle2": functools.partial(Eagle2, name="eagle2", drafter=load_eagle(str(saved["eagle"]), rows=2 * KEPT),
+                                    depth=2, topk=2, nodes=3),
+        "medusa": medusa(rows=2 * KEPT, tree="default", copy_tokens=3),
         "medusa_dynamic": medusa(tree="dynamic", size="cost", acceptance="exact"),
         "hydra_copy": sequential(tree="dynamic", size="cost", copy_tokens=2),
         "hydra_fixed": sequential(tree="default"),
