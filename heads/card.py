@@ -55,6 +55,8 @@ def write_card(out_dir: Path, name: str, model: str, meta: dict[str, Any], argv:
         f"- Loss: first {_fmt(meta.get('first_loss'))}, last {_fmt(meta.get('last_loss'))}",
         "",
     ]
+    if start := cfg.get("head", {}).get("init_from"):  # fine-tuned: the data above add to the start's own
+        lines.insert(-2, f"- Started from: the drafter in `{start}` (its card names its own data), not fresh weights")
     if val:
         lines += [f"## Held-out validation ({train.get('val_fraction')} of the sequences)", "",
                   "| metric | value |", "|---|---|", *(f"| {k} | {_fmt(v)} |" for k, v in val.items()), ""]

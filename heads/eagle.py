@@ -163,7 +163,7 @@ class EagleTrainable:
 
     def __init__(self, name: str = "eagle", layers: int = 1, kept_vocab: int = 8192, reg_weight: float = 1.0,
                  kl_weight: float = 1.0, noise: float = 0.1, unroll: int = 2, save_dtype: str = "fp16",
-                 layout: str = "specdec") -> None:
+                 layout: str = "specdec", init_from: str | None = None) -> None:
         if layout not in LAYOUTS:
             raise SpecdecError(f"head.layout={layout!r}; use specdec (specdec's own) or eagle1 (EAGLE-1's published "
                                "network, exportable with python -m heads.export eagle)")
@@ -182,6 +182,7 @@ class EagleTrainable:
         self.noise = noise
         self.unroll = unroll
         self.save_dtype = parse_save_dtype(save_dtype)
+        self.init_from = init_from
         self.target: LoadedModel | None = None
         self.args: LlamaArgs | None = None
         self.kept_ids: Tensor | None = None
@@ -191,7 +192,13 @@ class EagleTrainable:
         self.target = target
         self.args = eagle_args(target, self.layers)
         embed = target_embedding(target).detach().float()
-        self.kept_ids, self.to_kept = vocab_maps(data, target, self.kept_vocab, embed.device)
+        start = self._saved_start(target) if self.init_from else None
+        if start is None:
+            self.kept_ids, self.to_kept = vocab_maps(data, target, self.kept_vocab, embed.device)
+        else:  # a saved drafter keeps its own rows: its blocks learnt to score exactly those
+            self.kept_ids = start.pop("kept_ids").long().to(embed.device)
+            self.to_kept = torch.full((target.vocab_size,), -1, dtype=torch.long, device=embed.device)
+            self.to_kept[self.kept_ids] = torch.arange(len(self.kept_ids), device=embed.device)
         torch.manual_seed(0)
         with torch.device("meta"):
             net = EagleNet(self.args, len(self.kept_ids), self.layout)
@@ -206,7 +213,26 @@ class EagleTrainable:
         else:
             net.norm.weight.data.copy_(_final_norm_weight(target))
         net.inv_freq = rope_inv_freq(self.args).to(embed.device)
+        if start is not None:
+            got = net.load_state_dict({k: v.to(embed.device) for k, v in start.items()}, strict=False)
+            lost = [k for k in got.missing_keys if not k.startswith(("embed.", "lm_head."))] + got.unexpected_keys
+            if lost:
+                raise SpecdecError(f"head.init_from={self.init_from} does not fit this drafter ({', '.join(lost)}); "
+                                   "retrain it with this version of python -m heads.train head=eagle")
         return EagleTrainModule(net)
+
+    def _saved_start(self, target: LoadedModel) -> dict[str, Tensor]:
+        """head.init_from's saved weights (fp32, on the host) and `kept_ids`, checked against this head's shape."""
+        from safetensors.torch import load_file
+
+        saved = load_eagle(str(self.init_from))
+        saved.check(target)
+        layers, layout = saved.meta.get("num_layers"), saved.meta.get("layout", LAYOUTS[0])
+        if (layers, layout) != (self.layers, self.layout):
+            raise SpecdecError(f"head.init_from={self.init_from} holds a {layers}-layer {layout} drafter, not "
+                               f"head.layers={self.layers} head.layout={self.layout}; set those to match it")
+        tensors = load_file(str(saved.folder / WEIGHTS))
+        return {k: v if k == "kept_ids" else v.float() for k, v in tensors.items()}
 
     def loss(self, module: nn.Module, batch: dict[str, Tensor],
              target_hidden: Tensor | None) -> tuple[Tensor, dict[str, float]]:

@@ -254,6 +254,32 @@ def test_short_training_lowers_loss_and_ships_a_lossless_drafter(tmp_path: Path,
     assert res.output_ids == greedy_ids(tiny_target, prompt, 24) and res.proposed > 0
 
 
+def test_training_can_start_from_a_saved_drafter(tmp_path: Path, tiny_target: LoadedModel) -> None:
+    """head.init_from: the saved drafter's weights and rows are where training starts, not fresh ones."""
+    first, data = tmp_path / "first", tmp_path / "data"
+    with initialize_config_dir(str(CONFIG_DIR), version_base=None):
+        cfg = compose("train", overrides=[*tiny_train_overrides("eagle", first, data), "train.max_steps=30",
+                                          "train.lr=3e-3", "head.kept_vocab=128"])
+    fresh = train(cfg)
+    net = load_eagle(str(first)).bind(tiny_target)
+    trainable = EagleTrainable(kept_vocab=64, save_dtype="fp32", init_from=str(first))
+    module = trainable.build(tiny_target, None)  # its own rows: no data needed to pick them
+    assert trainable.kept_ids is not None and torch.equal(trainable.kept_ids, net.token_ids)
+    ids, feats = torch.tensor([[5, 9, 31, 7, 2]]), torch.randn(1, 5, tiny_target.hidden_size)
+    with torch.no_grad():
+        cache = net.new_cache(64)
+        want = net(ids, feats, torch.arange(5)[None], cache, cache.attention_mask(None, 5))
+        for got, ref in zip(module(ids, feats), want):
+            torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-4)
+    with initialize_config_dir(str(CONFIG_DIR), version_base=None):
+        cfg = compose("train", overrides=[*tiny_train_overrides("eagle", tmp_path / "second", data),
+                                          "train.max_steps=3", f"head.init_from={first}"])
+    assert train(cfg)["first_loss"] < 0.8 * fresh["first_loss"]
+    assert f"Started from: the drafter in `{first}`" in (tmp_path / "second" / "README.md").read_text()
+    with pytest.raises(SpecdecError, match="head.layers=2"):
+        EagleTrainable(layers=2, init_from=str(first)).build(tiny_target, None)
+
+
 @pytest.mark.parametrize("backend,matmul", [("hf", "torch"), ("compact", "numba")])
 def test_eagle_runs_on_every_target_path(load_tiny: Any, tmp_path: Path, backend: str, matmul: str) -> None:
     """The transformers backend (features from its hidden states) and the numba CPU kernels (the drafter's
