@@ -326,11 +326,15 @@ def pick_vocab(data: Any, vocab_size: int, kept: int, always: list[int]) -> Tens
 def vocab_maps(data: Any, target: LoadedModel, kept: int, device: torch.device) -> tuple[Tensor, Tensor]:
     """pick_vocab's (K,) target ids of the drafter's rows and the (V,) map back (target id -> row, -1 if not
     kept), both on `device`, where the loss meets them (saved from a host copy)."""
-    V = target.vocab_size
-    kept_ids = pick_vocab(data, V, kept, list(target.eos_ids)).to(device)
-    to_kept = torch.full((V,), -1, dtype=torch.long, device=device)
-    to_kept[kept_ids] = torch.arange(len(kept_ids), device=device)
-    return kept_ids, to_kept
+    kept_ids = pick_vocab(data, target.vocab_size, kept, list(target.eos_ids)).to(device)
+    return kept_ids, row_map(kept_ids, target.vocab_size)
+
+
+def row_map(kept_ids: Tensor, vocab: int) -> Tensor:
+    """(vocab,) target id -> its row among kept_ids (K,), -1 where not kept; on kept_ids' device."""
+    to_kept = torch.full((vocab,), -1, dtype=torch.long, device=kept_ids.device)
+    to_kept[kept_ids] = torch.arange(len(kept_ids), device=kept_ids.device)
+    return to_kept
 
 
 class DraftTrainable:

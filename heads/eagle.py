@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from heads.draft_model import SavedDrafter, fingerprint, target_embedding, target_head, vocab_maps
+from heads.draft_model import SavedDrafter, fingerprint, row_map, target_embedding, target_head, vocab_maps
 from specdec.errors import SpecdecError
 from specdec.models.llama import SUPPORTED_TYPES, Llama, LlamaArgs, PassThroughNorm, rope_inv_freq
 from specdec.models.loader import LoadedModel
@@ -197,8 +197,7 @@ class EagleTrainable:
             self.kept_ids, self.to_kept = vocab_maps(data, target, self.kept_vocab, embed.device)
         else:  # a saved drafter keeps its own rows: its blocks learnt to score exactly those
             self.kept_ids = start.pop("kept_ids").long().to(embed.device)
-            self.to_kept = torch.full((target.vocab_size,), -1, dtype=torch.long, device=embed.device)
-            self.to_kept[self.kept_ids] = torch.arange(len(self.kept_ids), device=embed.device)
+            self.to_kept = row_map(self.kept_ids, target.vocab_size)
         torch.manual_seed(0)
         with torch.device("meta"):
             net = EagleNet(self.args, len(self.kept_ids), self.layout)
