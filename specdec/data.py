@@ -61,9 +61,10 @@ def _one_line(text: object) -> str:
 
 
 def select(
-    questions: list[Question], limit: int | None = None, categories: list[str] | None = None
+    questions: list[Question], limit: int | None = None, categories: list[str] | None = None, skip: int = 0
 ) -> list[Question]:
-    """Keep questions of ``categories`` (in their original order), then the first ``limit`` of them."""
+    """Keep questions of ``categories`` (in their original order), pass over the first ``skip``, then keep the
+    first ``limit`` of the rest (``skip=32 limit=32``: a file's second 32 questions, a draw apart from the first)."""
     if categories is not None:
         # `data.categories=code` on the command line arrives as a bare string.
         wanted = [categories] if isinstance(categories, str) else [str(c) for c in categories]
@@ -77,6 +78,11 @@ def select(
             )
         keep = set(wanted)
         questions = [q for q in questions if q.category in keep]
+    if isinstance(skip, bool) or not isinstance(skip, int) or skip < 0:
+        raise SpecdecError(f"data.skip must be a whole number >= 0, got {skip!r}")
+    if skip >= len(questions) > 0:
+        raise SpecdecError(f"data.skip={skip} passes over all {len(questions)} questions; give a smaller skip")
+    questions = questions[skip:]
     if limit is not None:
         # bool is an int subclass; `data.limit=true` is a typo, not a count.
         if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:

@@ -35,7 +35,8 @@ CATEGORY_METRICS = (("speedup", "speedup"), ("tokens/s", "tokens_per_s"), ("tau"
 _ENV_ROWS = (
     ("model", "model.name"), ("model path", "model.path"), ("dtype", "environment.dtype"),
     ("backend", "environment.backend"), ("data", "data.name"), ("data path", "data.path"),
-    ("data limit", "data.limit"), ("max_new_tokens", "generation.max_new_tokens"),
+    ("data skip", "data.skip"), ("data limit", "data.limit"),
+    ("max_new_tokens", "generation.max_new_tokens"),
     ("temperature", "generation.temperature"), ("top_p", "generation.top_p"), ("seed", "seed"),
     ("warmup", "warmup"), ("repeats", "repeats"), ("torch", "environment.torch"),
     ("python", "environment.python"), ("threads", "environment.threads"), ("cpu", "environment.cpu"),

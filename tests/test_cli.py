@@ -248,6 +248,8 @@ def test_every_config_composes(group: str, name: str, tiny_jsonl: Path, tiny_tar
     elif group == "data":
         questions = load_questions(OmegaConf.merge(cfg.data, {"limit": 2}))
         assert 1 <= len(questions) <= 2 and all(q.turns for q in questions)
+        if len(questions) == 2:  # every data config takes data.skip: the draw after the first question
+            assert load_questions(OmegaConf.merge(cfg.data, {"skip": 1, "limit": 1})) == questions[1:]
     elif group == "generation":
         params = generation_params(cfg, tiny_target.eos_ids)
         assert params.max_new_tokens == cfg.generation.max_new_tokens and params.eos_ids == tiny_target.eos_ids

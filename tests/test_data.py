@@ -215,6 +215,20 @@ def test_select_categories_keeps_order_then_limits() -> None:
     assert [q.question_id for q in select(QUESTIONS, categories="b")] == ["2"]  # type: ignore[arg-type]
 
 
+def test_select_skip_then_limit() -> None:
+    # skip passes over the first questions (after categories), so skip=N limit=N is the draw after the first N.
+    assert [q.question_id for q in select(QUESTIONS, skip=1, limit=2)] == ["2", "3"]
+    assert [q.question_id for q in select(QUESTIONS, skip=1, categories=["c", "a"])] == ["3", "4"]
+    assert select(QUESTIONS, skip=0) == QUESTIONS
+
+
+@pytest.mark.parametrize("skip", [-1, True, "1", 4])
+def test_select_bad_skip(skip: Any) -> None:
+    with pytest.raises(SpecdecError) as excinfo:
+        select(QUESTIONS, skip=skip)
+    assert "data.skip" in error_of(excinfo)
+
+
 def test_select_unknown_category_lists_available() -> None:
     with pytest.raises(SpecdecError) as excinfo:
         select(QUESTIONS, categories=["a", "nope"])
