@@ -57,6 +57,9 @@ def write_card(out_dir: Path, name: str, model: str, meta: dict[str, Any], argv:
     ]
     if start := cfg.get("head", {}).get("init_from"):  # fine-tuned: the data above add to the start's own
         lines.insert(-2, f"- Started from: the drafter in `{start}` (its card names its own data), not fresh weights")
+        total = meta.get("minutes_in_all")
+        lines.insert(-2, f"- Training in all: {_fmt(total)} min, the start's and this run's" if total is not None else
+                     "- Training in all: unknown (the start's record predates the count: add the minutes on its card)")
     if val:
         lines += [f"## Held-out validation ({train.get('val_fraction')} of the sequences)", "",
                   "| metric | value |", "|---|---|", *(f"| {k} | {_fmt(v)} |" for k, v in val.items()), ""]

@@ -187,6 +187,7 @@ class EagleTrainable:
         self.args: LlamaArgs | None = None
         self.kept_ids: Tensor | None = None
         self.to_kept: Tensor | None = None  # (V,) target id -> kept row, -1 if not kept
+        self.start_minutes: float | None = None  # training minutes behind init_from's drafter (None: unknown)
 
     def build(self, target: LoadedModel, data: Any) -> nn.Module:
         self.target = target
@@ -230,6 +231,10 @@ class EagleTrainable:
         if (layers, layout) != (self.layers, self.layout):
             raise SpecdecError(f"head.init_from={self.init_from} holds a {layers}-layer {layout} drafter, not "
                                f"head.layers={self.layers} head.layout={self.layout}; set those to match it")
+        trained = saved.meta.get("train") or {}
+        # a start trained from fresh weights counts its own minutes; a fine-tuned one carries its total forward
+        fresh = not (trained.get("config") or {}).get("head", {}).get("init_from")
+        self.start_minutes = trained.get("minutes_in_all", trained.get("minutes") if fresh else None)
         tensors = load_file(str(saved.folder / WEIGHTS))
         return {k: v if k == "kept_ids" else v.float() for k, v in tensors.items()}
 

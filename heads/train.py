@@ -649,6 +649,9 @@ def train(cfg: DictConfig) -> dict[str, Any]:
             "date": time.strftime("%Y-%m-%d %H:%M:%S"), "config": config} | val
     if [a["source"] for a in sources] != [BUILTIN]:
         meta["prompt_sources"] = sources
+    if getattr(trainable, "init_from", None):  # a fine-tune: its start's training counts towards the drafter's
+        start_minutes = getattr(trainable, "start_minutes", None)
+        meta["minutes_in_all"] = None if start_minutes is None else start_minutes + meta["minutes"]
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         trainable.save(accelerator.unwrap_model(module), out_dir, meta)

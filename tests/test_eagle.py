@@ -274,8 +274,18 @@ def test_training_can_start_from_a_saved_drafter(tmp_path: Path, tiny_target: Lo
     with initialize_config_dir(str(CONFIG_DIR), version_base=None):
         cfg = compose("train", overrides=[*tiny_train_overrides("eagle", tmp_path / "second", data),
                                           "train.max_steps=3", f"head.init_from={first}"])
-    assert train(cfg)["first_loss"] < 0.8 * fresh["first_loss"]
-    assert f"Started from: the drafter in `{first}`" in (tmp_path / "second" / "README.md").read_text()
+    second = train(cfg)
+    assert second["first_loss"] < 0.8 * fresh["first_loss"]
+    card = (tmp_path / "second" / "README.md").read_text()
+    assert f"Started from: the drafter in `{first}`" in card
+    # the drafter's whole training is counted across fine-tunes: fresh minutes, then each run's added
+    assert second["minutes_in_all"] == pytest.approx(fresh["minutes"] + second["minutes"])
+    assert "Training in all: " in card and "unknown" not in card
+    with initialize_config_dir(str(CONFIG_DIR), version_base=None):
+        cfg = compose("train", overrides=[*tiny_train_overrides("eagle", tmp_path / "third", data),
+                                          "train.max_steps=1", f"head.init_from={tmp_path / 'second'}"])
+    third = train(cfg)
+    assert third["minutes_in_all"] == pytest.approx(second["minutes_in_all"] + third["minutes"])
     with pytest.raises(SpecdecError, match="head.layers=2"):
         EagleTrainable(layers=2, init_from=str(first)).build(tiny_target, None)
 
