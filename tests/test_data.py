@@ -318,13 +318,13 @@ def load_config(name: str, **overrides: Any) -> tuple[dict[str, Any], list[Quest
     for key, value in overrides.items():
         cfg[key] = value
     # Mirror the runner: these keys belong to it, not to the loader.
-    popped = {key: cfg.pop(key) for key in ("name", "limit", "categories")}
+    popped = {key: cfg.pop(key) for key in ("name", "skip", "limit", "categories")}
     return popped, hydra_utils.instantiate(cfg)
 
 
 def test_config_default() -> None:
     popped, questions = load_config("default")
-    assert popped == {"name": "default", "limit": None, "categories": None}
+    assert popped == {"name": "default", "skip": 0, "limit": None, "categories": None}
     assert len(questions) == 10 * len(CATEGORIES)
 
 
