@@ -64,11 +64,11 @@ def load_questions(data_cfg: DictConfig) -> list[Question]:
     cfg = OmegaConf.to_container(data_cfg, resolve=True)
     assert isinstance(cfg, dict)
     limit, categories = cfg.pop("limit", None), cfg.pop("categories", None)
-    skip = cfg.pop("skip", 0) or 0
+    skip = cfg.pop("skip", None)
     cfg.pop("name", None)
     if "path" in cfg and OmegaConf.is_missing(data_cfg, "path"):  # `in` on the DictConfig skips missing keys
         raise SpecdecError(f"data={data_cfg.name} needs a file: add data.path=FILE")
-    return select(build(cfg), limit=limit, categories=categories, skip=skip)
+    return select(build(cfg), limit=limit, categories=categories, skip=0 if skip is None else skip)
 
 
 def _integer(value: Any, name: str, minimum: int) -> int:
