@@ -29,7 +29,9 @@ Interface for a trainable drafter (`configs/head/NAME.yaml`, whose `_target_` bu
             # The shipped artifact: safetensors weights + a JSON config naming the base model, its
             # hidden and vocabulary sizes (so a loader refuses another model with a clear error), plus
             # `meta`: training facts from the trainer (steps, minutes, loss, validation, full config).
-            # `module` is unwrapped.
+            # `module` is unwrapped. A Trainable with a truthy `init_from` (a fine-tune) may set
+            # `start_minutes` in build(): the saved start's training minutes, None if unknown; the
+            # trainer then records `minutes_in_all` (start + this run) in `meta` and on the card.
 
 The trainer (`train`) owns data (heads/distill_data.py: the built-in prompts, or any `datasets` source
 with `data.source`, heads/prompt_sources.py), device placement, mixed precision and gradient
