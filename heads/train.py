@@ -633,8 +633,10 @@ def train(cfg: DictConfig) -> dict[str, Any]:
                 save_checkpoint(out_dir, accelerator.unwrap_model(module), optimizer, state, config_key)
     bar.close()
     last_loss = sum(state.recent_losses) / len(state.recent_losses) if state.recent_losses else None
-    say(f"train: {state.step} steps ({state.epoch} epochs, {accum} micro-batch(es) of {int(t.batch_size)} per step "
-        f"and process) in {state.elapsed_s / 60:.1f} min; loss {_num(state.first_loss)} first, "
+    # epochs trained, a stop mid-epoch counting its share of that epoch's micro-batches (all processes')
+    epochs_done = round(state.epoch + state.batch_in_epoch / (micro_per_epoch * accelerator.num_processes), 2)
+    say(f"train: {state.step} steps ({_num(epochs_done)} epochs, {accum} micro-batch(es) of {int(t.batch_size)} "
+        f"per step and process) in {state.elapsed_s / 60:.1f} min; loss {_num(state.first_loss)} first, "
         f"{_num(last_loss)} over the last {len(state.recent_losses)} steps")
     val: dict[str, float] = {}
     if val_data is not None:
@@ -644,7 +646,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         say("validation: " + " ".join(f"{k}={v:.4g}" for k, v in val.items()))
         if logger is not None:
             _log(logger, val, state.step)
-    meta = {"steps": state.step, "epochs": state.epoch, "minutes": state.elapsed_s / 60,
+    meta = {"steps": state.step, "epochs": epochs_done, "minutes": state.elapsed_s / 60,
             "loss_ema": state.loss_ema, "first_loss": state.first_loss, "last_loss": last_loss,
             "sequences": len(train_data), "target_tokens": tokens, "data_minutes": distill.minutes,
             "data_dtype": gen_dtype, "mixed_precision": accelerator.mixed_precision, "grad_accum": accum,

@@ -259,6 +259,13 @@ def test_without_a_time_budget_epochs_end_the_run(tmp_path: Path, data_dir: Path
         train(config(tmp_path / "b", data_dir, "train.max_minutes=null", "train.epochs=null"))
 
 
+def test_a_stop_mid_epoch_counts_its_share(tmp_path: Path, data_dir: Path) -> None:
+    meta = train(config(tmp_path, data_dir, "train.max_steps=1", "train.batch_size=2"))
+    batches_per_epoch = math.ceil(meta["sequences"] / 2)  # sequences of one length band here: full batches
+    assert meta["epochs"] == round(1 / batches_per_epoch, 2) and 0 < meta["epochs"] < 1
+    assert f"{meta['epochs']:.4g} epochs" in (tmp_path / "README.md").read_text()
+
+
 def test_accumulation_batches_are_the_large_batches_cut() -> None:
     lengths = [(i * 37) % 50 + 1 for i in range(16)]
     large = LengthBatches(lengths, 8, seed=3, epoch=1).batches
