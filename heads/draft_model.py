@@ -337,12 +337,20 @@ def row_map(kept_ids: Tensor, vocab: int) -> Tensor:
     return to_kept
 
 
+def start_minutes(saved_meta: dict[str, Any]) -> float | None:
+    """Training minutes behind a saved drafter that a fine-tune starts from (None: unknown): a start trained
+    from fresh weights counts its own minutes; a fine-tuned one carries its total forward."""
+    trained = saved_meta.get("train") or {}
+    fresh = not (trained.get("config") or {}).get("head", {}).get("init_from")
+    return trained.get("minutes_in_all", trained.get("minutes") if fresh else None)
+
+
 class DraftTrainable:
     """heads.train's Trainable for the distilled draft (configs/head/draft.yaml)."""
 
     def __init__(self, name: str = "draft", layers: int = 2, init_layers: list[int] | None = None,
                  kept_vocab: int = 8192, kl_weight: float = 0.0, kl_positions: str = "continuation",
-                 save_dtype: str = "fp16") -> None:
+                 save_dtype: str = "fp16", init_from: str | None = None) -> None:
         if layers < 1:
             raise SpecdecError(f"head.layers={layers} must be at least 1")
         if init_layers is not None and len(init_layers) not in (0, layers):
@@ -365,6 +373,8 @@ class DraftTrainable:
         self.source_layers: list[int] = []
         self.hf_config: Any = None
         self.head: Tensor | None = None  # (K, D) the target's head rows of the kept ids
+        self.init_from = init_from
+        self.start_minutes: float | None = None  # training minutes behind init_from's draft (None: unknown)
 
     def build(self, target: LoadedModel, data: Any) -> nn.Module:
         from transformers import AutoModel
@@ -374,17 +384,40 @@ class DraftTrainable:
         self.target, self.source_layers = target, source
         self.hf_config = draft_hf_config(target, self.layers, source)
         embed = target_embedding(target).detach().float()
-        self.kept_ids, self.to_kept = vocab_maps(data, target, self.kept_vocab, embed.device)
+        start = self._saved_start(target) if self.init_from else None
+        if start is None:
+            self.kept_ids, self.to_kept = vocab_maps(data, target, self.kept_vocab, embed.device)
+        else:  # a saved draft keeps its own rows: its layers learnt to score exactly those
+            self.kept_ids = start.pop("kept_ids").long().to(embed.device)
+            self.to_kept = row_map(self.kept_ids, target.vocab_size)
         torch.manual_seed(0)
         body = AutoModel.from_config(self.hf_config, dtype=torch.float32)
         body.embed_tokens.weight = nn.Parameter(embed, requires_grad=False)
-        if source:
+        if start is not None:  # init_from wins over init_layers: its layers are where training starts
+            missing, unexpected = body.load_state_dict(start, strict=False)
+            if unexpected or any(k != "embed_tokens.weight" for k in missing):
+                raise SpecdecError(f"head.init_from={self.init_from} does not fit this draft (missing {missing[:2]}, "
+                                   f"unexpected {unexpected[:2]}); retrain it with this version of heads.train")
+        elif source:
             missing, unexpected = body.load_state_dict(_target_layers(target, source), strict=False)
             if unexpected or any(k != "embed_tokens.weight" for k in missing):
                 raise SpecdecError(f"target layers {source} do not fit the draft (missing {missing[:2]}, unexpected "
                                    f"{unexpected[:2]}); set head.init_layers=null to start from random weights")
         self.head = target_head(target).detach().float()[self.kept_ids].clone()  # (K, D)
         return DraftTrainModule(body)
+
+    def _saved_start(self, target: LoadedModel) -> dict[str, Tensor]:
+        """head.init_from's layers (fp32, transformers names without `model.`) and `kept_ids`, checked."""
+        from safetensors.torch import load_file
+
+        saved = load_draft(str(self.init_from))
+        saved.check(target)
+        if saved.meta.get("num_layers") != self.layers:
+            raise SpecdecError(f"head.init_from={self.init_from} holds a {saved.meta.get('num_layers')}-layer draft, "
+                               f"not head.layers={self.layers}; set head.layers to match it")
+        self.start_minutes = start_minutes(saved.meta)
+        tensors = load_file(str(saved.folder / WEIGHTS))
+        return {k.removeprefix("model."): v if k == "kept_ids" else v.float() for k, v in tensors.items()}
 
     def loss(self, module: nn.Module, batch: dict[str, Tensor],
              target_hidden: Tensor | None) -> tuple[Tensor, dict[str, float]]:

@@ -31,7 +31,15 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from heads.draft_model import SavedDrafter, fingerprint, row_map, target_embedding, target_head, vocab_maps
+from heads.draft_model import (
+    SavedDrafter,
+    fingerprint,
+    row_map,
+    start_minutes,
+    target_embedding,
+    target_head,
+    vocab_maps,
+)
 from specdec.errors import SpecdecError
 from specdec.models.llama import SUPPORTED_TYPES, Llama, LlamaArgs, PassThroughNorm, rope_inv_freq
 from specdec.models.loader import LoadedModel
@@ -231,10 +239,7 @@ class EagleTrainable:
         if (layers, layout) != (self.layers, self.layout):
             raise SpecdecError(f"head.init_from={self.init_from} holds a {layers}-layer {layout} drafter, not "
                                f"head.layers={self.layers} head.layout={self.layout}; set those to match it")
-        trained = saved.meta.get("train") or {}
-        # a start trained from fresh weights counts its own minutes; a fine-tuned one carries its total forward
-        fresh = not (trained.get("config") or {}).get("head", {}).get("init_from")
-        self.start_minutes = trained.get("minutes_in_all", trained.get("minutes") if fresh else None)
+        self.start_minutes = start_minutes(saved.meta)
         tensors = load_file(str(saved.folder / WEIGHTS))
         return {k: v if k == "kept_ids" else v.float() for k, v in tensors.items()}
 

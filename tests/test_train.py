@@ -17,7 +17,7 @@ from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig
 
 from heads.distill_data import distill_prompts, to_example
-from heads.draft_model import load_draft
+from heads.draft_model import DraftTrainable, load_draft
 from heads.train import LengthBatches, _cap_tokens, collate, make_accelerator, target_hidden, train, with_cached_hidden
 from specdec.cli_checks import CONFIG_DIR
 from specdec.data import default_suite
@@ -257,6 +257,30 @@ def test_without_a_time_budget_epochs_end_the_run(tmp_path: Path, data_dir: Path
     assert meta["steps"] == 2 * math.ceil(meta["sequences"] / (batch * accum))
     with pytest.raises(SpecdecError, match="all null, so nothing ends the training"):
         train(config(tmp_path / "b", data_dir, "train.max_minutes=null", "train.epochs=null"))
+
+
+def test_a_draft_can_start_from_a_saved_draft(tmp_path: Path, data_dir: Path, tiny_target: LoadedModel) -> None:
+    """head.init_from: the saved draft's layers and rows are where training starts, and its minutes count."""
+    first = tmp_path / "first"
+    fresh = train(config(first, data_dir, "train.max_steps=30", "train.lr=3e-3"))
+    trainable = DraftTrainable(layers=1, kept_vocab=64, save_dtype="fp32", init_from=str(first))
+    module = trainable.build(tiny_target, None)  # its own rows: no data needed to pick them
+    net = load_draft(str(first)).bind(tiny_target)
+    assert trainable.kept_ids is not None and torch.equal(trainable.kept_ids, net.token_ids)
+    ids = torch.tensor([[5, 9, 31, 7, 2]])
+    with torch.no_grad():  # the started layers give the saved draft's logits (saved in fp16)
+        cache = net.new_cache(64)
+        want, _ = net(ids, torch.arange(5)[None], cache, cache.attention_mask(None, 5))
+        h = module(ids, torch.ones_like(ids))
+        assert trainable.head is not None
+        torch.testing.assert_close(h[0] @ trainable.head.T, want[0], atol=2e-2, rtol=2e-2)
+    second = train(config(tmp_path / "second", data_dir, "train.max_steps=2", f"head.init_from={first}"))
+    assert second["first_loss"] < 0.8 * fresh["first_loss"]
+    assert second["minutes_in_all"] == pytest.approx(fresh["minutes"] + second["minutes"])
+    card = (tmp_path / "second" / "README.md").read_text()
+    assert f"Started from: the drafter in `{first}`" in card and "Training in all: " in card
+    with pytest.raises(SpecdecError, match="head.layers=2"):
+        DraftTrainable(layers=2, init_from=str(first)).build(tiny_target, None)
 
 
 def test_a_stop_mid_epoch_counts_its_share(tmp_path: Path, data_dir: Path) -> None:
