@@ -337,6 +337,16 @@ def row_map(kept_ids: Tensor, vocab: int) -> Tensor:
     return to_kept
 
 
+def drafter_rows(start: dict[str, Tensor] | None, data: Any, target: LoadedModel, kept: int,
+                 device: torch.device) -> tuple[Tensor, Tensor]:
+    """vocab_maps' rows for fresh weights; a saved start's own `kept_ids` (popped from `start`) otherwise,
+    since its layers learnt to score exactly those."""
+    if start is None:
+        return vocab_maps(data, target, kept, device)
+    kept_ids = start.pop("kept_ids").long().to(device)
+    return kept_ids, row_map(kept_ids, target.vocab_size)
+
+
 def start_minutes(saved_meta: dict[str, Any]) -> float | None:
     """Training minutes behind a saved drafter that a fine-tune starts from (None: unknown): a start trained
     from fresh weights counts its own minutes; a fine-tuned one carries its total forward."""
@@ -385,11 +395,7 @@ class DraftTrainable:
         self.hf_config = draft_hf_config(target, self.layers, source)
         embed = target_embedding(target).detach().float()
         start = self._saved_start(target) if self.init_from else None
-        if start is None:
-            self.kept_ids, self.to_kept = vocab_maps(data, target, self.kept_vocab, embed.device)
-        else:  # a saved draft keeps its own rows: its layers learnt to score exactly those
-            self.kept_ids = start.pop("kept_ids").long().to(embed.device)
-            self.to_kept = row_map(self.kept_ids, target.vocab_size)
+        self.kept_ids, self.to_kept = drafter_rows(start, data, target, self.kept_vocab, embed.device)
         torch.manual_seed(0)
         body = AutoModel.from_config(self.hf_config, dtype=torch.float32)
         body.embed_tokens.weight = nn.Parameter(embed, requires_grad=False)

@@ -33,12 +33,11 @@ from torch import Tensor, nn
 
 from heads.draft_model import (
     SavedDrafter,
+    drafter_rows,
     fingerprint,
-    row_map,
     start_minutes,
     target_embedding,
     target_head,
-    vocab_maps,
 )
 from specdec.errors import SpecdecError
 from specdec.models.llama import SUPPORTED_TYPES, Llama, LlamaArgs, PassThroughNorm, rope_inv_freq
@@ -202,11 +201,7 @@ class EagleTrainable:
         self.args = eagle_args(target, self.layers)
         embed = target_embedding(target).detach().float()
         start = self._saved_start(target) if self.init_from else None
-        if start is None:
-            self.kept_ids, self.to_kept = vocab_maps(data, target, self.kept_vocab, embed.device)
-        else:  # a saved drafter keeps its own rows: its blocks learnt to score exactly those
-            self.kept_ids = start.pop("kept_ids").long().to(embed.device)
-            self.to_kept = row_map(self.kept_ids, target.vocab_size)
+        self.kept_ids, self.to_kept = drafter_rows(start, data, target, self.kept_vocab, embed.device)
         torch.manual_seed(0)
         with torch.device("meta"):
             net = EagleNet(self.args, len(self.kept_ids), self.layout)
