@@ -201,29 +201,39 @@ def write(rows: Sequence[dict[str, Any]], out: Path) -> None:
         out.write_text(text, encoding="utf-8")
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m heads.magpie", description=__doc__.split("\n")[0])
+def cli(prog: str, description: str, n: int, domains_help: str) -> argparse.ArgumentParser:
+    """The options the two generators share (heads.magpie, heads.magpie_tasks)."""
+    p = argparse.ArgumentParser(prog=prog, description=description)
     p.add_argument("--model", default="smollm2-135m", help="a model config name (configs/model/)")
-    p.add_argument("--n", type=int, default=4000)
+    p.add_argument("--n", type=int, default=n)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--turns", type=int, default=1)
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--max-minutes", type=float, default=None)
-    p.add_argument("--domains", choices=["train", "heldapart"], default="train",
-                   help="train: the training domains; heldapart: domains training never draws from")
+    p.add_argument("--domains", choices=["train", "heldapart"], default="train", help=domains_help)
     p.add_argument("--questions", action="store_true",
                    help="write a question file (question_id, category, turns) for data=jsonl instead")
     p.add_argument("--out", type=Path, required=True)
-    a = p.parse_args(argv)
+    return p
+
+
+def load_target(model: str, *overrides: str) -> Any:
+    """The target as `python -m specdec.run model=MODEL` would build it."""
     from hydra import compose, initialize_config_dir
     from hydra.utils import instantiate
 
     from specdec.cli_checks import CONFIG_DIR
 
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base=None):
+        return instantiate(compose("run", overrides=[f"model={model}", *overrides]).model)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = cli("python -m heads.magpie", __doc__.split("\n")[0], 4000,
+            "train: the training domains; heldapart: domains training never draws from")
+    p.add_argument("--turns", type=int, default=1)
+    a = p.parse_args(argv)
     try:
-        with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base=None):
-            target = instantiate(compose("run", overrides=[f"model={a.model}"]).model)
-        rows = generate(target, a.n, a.seed, a.turns, a.batch_size, max_minutes=a.max_minutes,
+        rows = generate(load_target(a.model), a.n, a.seed, a.turns, a.batch_size, max_minutes=a.max_minutes,
                         domains=HELDAPART_DOMAINS if a.domains == "heldapart" else DOMAINS)
     except SpecdecError as e:
         print(f"error: {e}", file=sys.stderr)

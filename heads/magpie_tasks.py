@@ -17,13 +17,11 @@ made on those questions rewards neither the topics nor the wording of training. 
 
 from __future__ import annotations
 
-import argparse
 import random
 import re
 import sys
 import time
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -152,29 +150,13 @@ def as_questions(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m heads.magpie_tasks", description=__doc__.split("\n")[0])
-    p.add_argument("--model", default="smollm2-135m", help="a model config name (configs/model/)")
-    p.add_argument("--n", type=int, default=1200)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--batch-size", type=int, default=32)
-    p.add_argument("--max-minutes", type=float, default=None)
-    p.add_argument("--domains", choices=["train", "heldapart"], default="train",
-                   help="train: training domains and phrasings; heldapart: others training never draws from")
-    p.add_argument("--questions", action="store_true",
-                   help="write a question file (question_id, category, turns) for data=jsonl instead")
-    p.add_argument("--out", type=Path, required=True)
+    p = magpie.cli("python -m heads.magpie_tasks", __doc__.split("\n")[0], 1200,
+                   "train: training domains and phrasings; heldapart: others training never draws from")
     a = p.parse_args(argv)
-    from hydra import compose, initialize_config_dir
-    from hydra.utils import instantiate
-
-    from specdec.cli_checks import CONFIG_DIR
-
     held = a.domains == "heldapart"
     try:
-        with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base=None):
-            target = instantiate(compose("run", overrides=[f"model={a.model}", "model.matmul=numba"]).model)
-        rows = generate(target, a.n, a.seed, a.batch_size, max_minutes=a.max_minutes,
-                        domains=magpie.HELDAPART_DOMAINS if held else magpie.DOMAINS,
+        rows = generate(magpie.load_target(a.model, "model.matmul=numba"), a.n, a.seed, a.batch_size,
+                        max_minutes=a.max_minutes, domains=magpie.HELDAPART_DOMAINS if held else magpie.DOMAINS,
                         phrasings=HELDAPART_PHRASINGS if held else TRAIN_PHRASINGS)
     except SpecdecError as e:
         print(f"error: {e}", file=sys.stderr)

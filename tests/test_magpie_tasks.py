@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import gzip
+import json
+from pathlib import Path
+
 import pytest
 
 from heads import magpie, magpie_tasks
@@ -66,3 +70,31 @@ def test_bad_settings_are_one_line(tiny_target: LoadedModel) -> None:
     with pytest.raises(SpecdecError) as err:
         magpie_tasks.generate(tiny_target, 0)
     assert "\n" not in str(err.value) and "magpie_tasks" in str(err.value)
+
+
+
+def test_both_commands_write_through_the_shared_cli(tiny_target: LoadedModel, accept_noise: None, tmp_path: Path,
+                                                    monkeypatch: pytest.MonkeyPatch,
+                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    loaded: list[tuple[str, ...]] = []
+    monkeypatch.setattr(magpie, "load_target", lambda model, *o: loaded.append((model, *o)) or tiny_target)
+    monkeypatch.setattr(magpie, "clean", lambda text, **kw: text.strip() or None)  # a random model writes noise
+    # Short outputs keep the tiny model quick; everything else is the commands' own path.
+    tasks_generate, magpie_generate = magpie_tasks.generate, magpie.generate
+    monkeypatch.setattr(magpie_tasks, "generate", lambda *a, **kw: tasks_generate(*a, max_doc_tokens=6, **kw))
+    monkeypatch.setattr(magpie, "generate",
+                        lambda *a, **kw: magpie_generate(*a, max_prompt_tokens=8, max_answer_tokens=6, **kw))
+
+    out = tmp_path / "q.jsonl"
+    assert magpie_tasks.main(["--n", "3", "--domains", "heldapart", "--questions", "--out", str(out)]) == 0
+    qs = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(qs) == 3 and {q["category"] for q in qs} <= set(magpie_tasks.DOCUMENTS)
+    assert loaded[-1] == ("smollm2-135m", "model.matmul=numba") and "wrote 3 requests" in capsys.readouterr().out
+
+    gz = tmp_path / "m.jsonl.gz"
+    assert magpie.main(["--n", "2", "--turns", "2", "--batch-size", "2", "--seed", "1", "--out", str(gz)]) == 0
+    rows = [json.loads(line) for line in gzip.decompress(gz.read_bytes()).decode().splitlines()]
+    assert rows and all([m["role"] for m in r["messages"]] == ["user", "assistant", "user"] for r in rows)
+    assert loaded[-1] == ("smollm2-135m",)
+    with pytest.raises(SystemExit):
+        magpie_tasks.main(["--n", "3"])  # --out is required
