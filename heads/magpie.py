@@ -216,7 +216,7 @@ def cli(prog: str, description: str, n: int, domains_help: str) -> argparse.Argu
     return p
 
 
-def load_target(model: str, *overrides: str) -> Any:
+def load_target(model: str, *overrides: str) -> LoadedModel:
     """The target as `python -m specdec.run model=MODEL` would build it."""
     from hydra import compose, initialize_config_dir
     from hydra.utils import instantiate

@@ -72,7 +72,6 @@ def test_bad_settings_are_one_line(tiny_target: LoadedModel) -> None:
     assert "\n" not in str(err.value) and "magpie_tasks" in str(err.value)
 
 
-
 def test_both_commands_write_through_the_shared_cli(tiny_target: LoadedModel, accept_noise: None, tmp_path: Path,
                                                     monkeypatch: pytest.MonkeyPatch,
                                                     capsys: pytest.CaptureFixture[str]) -> None:
