@@ -395,11 +395,8 @@ def check_match(cfg: MedusaConfig, target: LoadedModel, where: str) -> None:
                            "they were trained for")
 
 
-def load_heads(target: LoadedModel, path: str | Path, weights: str = "fp32",
-               block_weights: str = "fp32", rows: int | None = None) -> MedusaHeads:
-    """Heads saved by `MedusaHeads.save`, checked against the target they will run on; `weights` and
-    `block_weights`: see `MedusaHeads.use_cpu_kernels`; `rows`: score that many rows of the target's head
-    (heads.draft_model.widen_rows: the kept rows, then the lowest other ids; shared projection only)."""
+def read_saved(target: LoadedModel, path: str | Path) -> tuple[Path, MedusaConfig, dict[str, Any], dict[str, Tensor]]:
+    """A `MedusaHeads.save` folder checked against `target`: (folder, config, training meta, state dict on the host)."""
     from safetensors.torch import load_file
 
     folder = Path(path).expanduser()
@@ -418,7 +415,16 @@ def load_heads(target: LoadedModel, path: str | Path, weights: str = "fp32",
         raise SpecdecError(f"{cfg_file} is not a Medusa heads config ({type(e).__name__}: {e}); "
                            "retrain the heads") from None
     check_match(cfg, target, str(folder))
-    state = load_file(str(weights_file))
+    return folder, cfg, body.get("meta") or {}, load_file(str(weights_file))
+
+
+def load_heads(target: LoadedModel, path: str | Path, weights: str = "fp32",
+               block_weights: str = "fp32", rows: int | None = None) -> MedusaHeads:
+    """Heads saved by `MedusaHeads.save`, checked against the target they will run on; `weights` and
+    `block_weights`: see `MedusaHeads.use_cpu_kernels`; `rows`: score that many rows of the target's head
+    (heads.draft_model.widen_rows: the kept rows, then the lowest other ids; shared projection only)."""
+    folder, cfg, _, state = read_saved(target, path)
+    weights_file = folder / WEIGHTS_FILE
     if rows is not None and cfg.head_vocab is not None:
         if cfg.projection != "shared":
             raise SpecdecError(f"strategy.heads.rows={rows} needs heads on the target's shared head; these in {folder} "

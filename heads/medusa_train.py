@@ -21,8 +21,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from heads.draft_model import start_minutes
 from heads.head_loss import head_loss
-from heads.medusa import MedusaHeads, heads_for, kept_vocab, new_config, output_weight
+from heads.medusa import MedusaConfig, MedusaHeads, heads_for, kept_vocab, new_config, output_weight, read_saved
 from heads.medusa_sequential import SequentialMedusaHeads
 from specdec.errors import SpecdecError
 from specdec.models.loader import LoadedModel
@@ -33,6 +34,10 @@ def _tokens(data: Any) -> Iterable[int]:
     column = "labels" if "labels" in data.column_names else "input_ids"
     for row in data[column]:
         yield from (t for t in row if t >= 0)
+
+
+# what a saved start must share with the heads being trained (a MedusaConfig's fields besides the target's)
+MEDUSA_SHAPE = ("num_heads", "num_layers", "projection", "head_vocab", "root_input", "sequential", "chain_head0")
 
 
 class MedusaLoss(nn.Module):
@@ -120,7 +125,7 @@ class MedusaTrainable:
     def __init__(self, num_heads: int = 4, num_layers: int = 1, projection: str = "shared",
                  head_vocab: int | None = 8192, decay: float = 0.8, prompt_weight: float = 0.0,
                  kl_weight: float = 0.0, root_input: bool = False, sequential: bool = False,
-                 chain_grad: bool = True, chain_head0: bool = False) -> None:
+                 chain_grad: bool = True, chain_head0: bool = False, init_from: str | None = None) -> None:
         if kl_weight < 0:
             raise SpecdecError(f"head.kl_weight must be >= 0, got {kl_weight}")
         if kl_weight > 0 and projection != "shared":
@@ -130,19 +135,38 @@ class MedusaTrainable:
         self.head_vocab, self.decay, self.prompt_weight = head_vocab, decay, prompt_weight
         self.kl_weight, self.root_input, self.sequential = kl_weight, root_input, sequential
         self.chain_grad, self.chain_head0 = chain_grad, chain_head0
+        self.init_from = init_from
+        self.start_minutes: float | None = None  # training minutes behind init_from's heads (None: unknown)
 
     def build(self, target: LoadedModel, data: Any = None) -> MedusaLoss:
         cfg = new_config(target, self.num_heads, self.num_layers, self.projection, self.head_vocab, self.root_input,
                          self.sequential, self.chain_head0)
+        start = self._saved_start(target, cfg) if self.init_from else None
         kept = None
-        if cfg.head_vocab is not None:
+        if start is not None:  # its blocks learnt to score exactly its kept rows
+            kept = start["kept_ids"].long() if cfg.head_vocab is not None else None
+        elif cfg.head_vocab is not None:
             if data is None:
                 raise ValueError("a reduced head vocabulary is chosen from the training data; pass data")
             kept = kept_vocab(_tokens(data), cfg.head_vocab, cfg.vocab_size)
         heads = heads_for(cfg, output_weight(target), kept)
+        if start is not None:
+            dev = heads.kept_ids.device
+            heads.load_state_dict({k: v.to(dev) if k == "kept_ids" else v.to(dev, torch.float32)
+                                   for k, v in start.items()})
         if isinstance(heads, SequentialMedusaHeads):
             heads.chain_grad = self.chain_grad
         return MedusaLoss(heads)
+
+    def _saved_start(self, target: LoadedModel, cfg: MedusaConfig) -> dict[str, Tensor]:
+        """head.init_from's saved state, checked to be heads of exactly this head config."""
+        _, saved, meta, state = read_saved(target, str(self.init_from))
+        differ = [f"{f}={getattr(saved, f)}" for f in MEDUSA_SHAPE if getattr(saved, f) != getattr(cfg, f)]
+        if differ:
+            raise SpecdecError(f"head.init_from={self.init_from} holds other heads ({', '.join(differ)}); "
+                               f"set those head options to match it, or leave head.init_from unset")
+        self.start_minutes = start_minutes({"train": meta})
+        return state
 
     def loss(self, module: nn.Module, batch: dict[str, Tensor],
              target_hidden: Tensor | None) -> tuple[Tensor, dict[str, float]]:

@@ -481,6 +481,37 @@ def test_heads_train_entry_trains_and_ships_medusa_heads(tmp_path: Path, tiny_ta
         tiny_target, PROMPTS[1:2], 24)[0]
 
 
+def test_heads_can_start_from_saved_heads(tmp_path: Path, tiny_target: LoadedModel) -> None:
+    """head.init_from: the saved heads' blocks and rows are where training starts, and their minutes count."""
+    from hydra import compose, initialize_config_dir
+
+    from heads.train import train
+
+    def run(out: Path, *overrides: str) -> dict:
+        with initialize_config_dir(str(CONFIG_DIR), version_base=None):
+            return train(compose("train", overrides=[
+                *tiny_train_overrides("medusa", out, tmp_path / "data", 24), "train.warmup_steps=0",
+                "head.num_heads=3", "head.head_vocab=128", *overrides]))
+
+    first = tmp_path / "first"
+    fresh = run(first, "train.max_steps=40", "train.lr=1e-2")
+    saved = load_heads(tiny_target, first)
+    module = MedusaTrainable(num_heads=3, head_vocab=128, init_from=str(first)).build(tiny_target)  # no data: its rows
+    assert torch.equal(module.heads.kept_ids, saved.kept_ids)
+    for k in range(3):  # trained blocks, not fresh ones (zeros)
+        assert saved.blocks[k][0].linear.weight.abs().sum() > 0
+        torch.testing.assert_close(module.heads.blocks[k][0].linear.weight, saved.blocks[k][0].linear.weight)
+    second = run(tmp_path / "second", "train.max_steps=2", f"head.init_from={first}")
+    assert second["first_loss"] < 0.8 * fresh["first_loss"]
+    assert second["minutes_in_all"] == pytest.approx(fresh["minutes"] + second["minutes"])
+    assert f"Started from: the drafter in `{first}`" in (tmp_path / "second" / "README.md").read_text()
+    with pytest.raises(SpecdecError, match="num_heads=3"):
+        MedusaTrainable(num_heads=4, head_vocab=128, init_from=str(first)).build(tiny_target)
+    with pytest.raises(SpecdecError, match="sequential=False"):
+        MedusaTrainable(num_heads=3, num_layers=1, head_vocab=128, root_input=True, sequential=True,
+                        init_from=str(first)).build(tiny_target)
+
+
 def test_trees_need_the_compact_engine_chains_do_not(load_tiny) -> None:
     hf = load_tiny("llama", backend="hf")
     heads = medusa_heads(hf, num_heads=3, seed=6)
