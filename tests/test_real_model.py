@@ -59,19 +59,19 @@ def test_smollm2_logits_match_transformers() -> None:
 
 def test_shipped_drafters_reproduce_greedy(tmp_path: Path) -> None:
     """The committed draft (cost-aware schedule with second choices), Medusa-1 heads (tuned tree), Hydra's
-    heads with the copy branch and the EAGLE drafter (chains and EAGLE-2 trees), as configured by default
-    (int8 weights in the CPU kernels), alone and behind prompt lookup (draft_lookup)."""
+    heads (dynamic tree) alone and with the copy branch and the EAGLE drafter (chains and EAGLE-2 trees), as
+    configured by default (int8 weights in the CPU kernels), alone and behind prompt lookup (draft_lookup)."""
     data = tmp_path / "questions.jsonl"
     questions = ["Write a Python function that returns the sum of a list.", "What is 17 times 3?"]
     data.write_text("".join(json.dumps({"question_id": i, "category": "qa", "turns": [q]}) + "\n"
                             for i, q in enumerate(questions)))
     with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base=None):
         cfg = compose("run", overrides=["model=smollm2-135m",
-                                        "strategies=[greedy,draft,medusa,hydra_copy,eagle,eagle2,draft_lookup]",
+                                        "strategies=[greedy,draft,medusa,hydra,hydra_copy,eagle,eagle2,draft_lookup]",
                                         "data=jsonl", f"data.path={data}", "generation.max_new_tokens=48", "warmup=0",
                                         f"output_dir={tmp_path / 'out'}"])
     summary = run(cfg)
-    for name in ("draft", "medusa", "hydra_copy", "eagle", "eagle2", "draft_lookup"):
+    for name in ("draft", "medusa", "hydra", "hydra_copy", "eagle", "eagle2", "draft_lookup"):
         s = summary["strategies"][name]
         assert s["matches_baseline"] == 1.0, name
         assert s["mean_accepted_tokens"] > 1.0, name  # the trained drafters do get tokens accepted
