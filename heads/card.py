@@ -63,9 +63,43 @@ def write_card(out_dir: Path, name: str, model: str, meta: dict[str, Any], argv:
     if val:
         lines += [f"## Held-out validation ({train.get('val_fraction')} of the sequences)", "",
                   "| metric | value |", "|---|---|", *(f"| {k} | {_fmt(v)} |" for k, v in val.items()), ""]
+    if not torch.cuda.is_available():
+        lines += gpu_lines(cfg, meta)
     path = out_dir / CARD
     path.write_text("\n".join(lines).replace("budget None min", "no time limit"))
     return path
+
+
+def gpu_lines(cfg: dict[str, Any], meta: dict[str, Any]) -> list[str]:
+    """A CPU run's card: what its command would do differently on a CUDA machine, read from the code's
+    rules (loader, distillation batch, training budgets), not measured."""
+    model, data, train = (cfg.get(k) or {} for k in ("model", "data", "train"))
+    out = ["## On a GPU", "", "Not measured (this run had none). The same command on a CUDA machine:", ""]
+    if model.get("matmul") in ("numba", "numpy"):
+        out.append(f"- stops at once with one line: `model.matmul={model['matmul']}` runs fp32 on the CPU only. "
+                   "Drop it.")
+    if model.get("dtype", "auto") == "auto" and data.get("dtype") is None:
+        out.append("- loads the target in bf16 (`model.dtype=auto`): the continuations it distills, and the hidden "
+                   "states saved with them, are then the bf16 model's, not this run's fp32 ones. Add "
+                   "`model.dtype=fp32` to distill from the fp32 model (the GPU's kernels round differently, so a few "
+                   "continuations may still differ).")
+    if data.get("batch_size", "auto") == "auto":
+        out.append("- distills in batches of up to 256 prompts (`data.batch_size=auto`), not 64.")
+    cut = [s for s in meta.get("prompt_sources") or [] if s.get("kept") is not None and s["sequences"] < s["kept"]]
+    if cut and data.get("max_minutes") is not None:
+        out.append(f"- distills every prompt: here the {data['max_minutes']}-minute generation budget stopped "
+                   + ", ".join(f"{s['source']} at {s['sequences']} of {s['kept']}" for s in cut) + ".")
+    steps, epochs, planned = meta.get("steps"), meta.get("epochs"), train.get("epochs")
+    timed_out = (train.get("max_minutes") is not None and train.get("max_steps") is None
+                 and isinstance(epochs, (int, float)) and isinstance(planned, (int, float)) and epochs < planned - 1e-3)
+    if timed_out:
+        out.append(f"- trains all `train.epochs={planned}`: here the {train['max_minutes']}-minute budget stopped "
+                   f"it at {steps} steps, so the weights would differ. `train.max_steps={steps}` "
+                   "keeps this run's length (the learning rate decays over it).")
+    else:
+        plural = "" if steps == 1 else "s"
+        out.append(f"- runs the same {steps} optimizer step{plural} within its budgets, in far less time.")
+    return out + [""]
 
 
 def _prompts(data: dict[str, Any], sources: list[dict[str, Any]] | None) -> str:

@@ -16,6 +16,7 @@ from helpers import tiny_train_overrides
 from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig
 
+from heads.card import gpu_lines
 from heads.contamination import evaluation_turns
 from heads.data_mix import build_mix, source_list
 from heads.prompt_sources import (
@@ -257,6 +258,22 @@ def test_training_on_a_mix_names_every_source_on_the_card(tmp_path: Path, data_d
     assert meta["sequences"] == sum(a["sequences"] for a in meta["prompt_sources"])
     card = (out / "README.md").read_text()
     assert "built-in (offline suite" in card and f"; data.source={path} (split train, turns first), 3 prompts" in card
+    assert "## On a GPU" in card and "runs the same 1 optimizer step within" in card  # max_steps ended it
+
+
+def test_the_card_says_what_the_command_does_on_a_gpu() -> None:
+    cfg = {"model": {"matmul": "numba", "dtype": "auto"}, "data": {"batch_size": "auto", "max_minutes": 30},
+           "train": {"epochs": 1, "max_steps": None, "max_minutes": 6.2}}
+    sources = [{"source": "a.jsonl", "kept": 1500, "sequences": 1200}, {"source": "builtin", "sequences": 9}]
+    text = "\n".join(gpu_lines(cfg, {"steps": 342, "epochs": 0.64, "prompt_sources": sources}))
+    assert "`model.matmul=numba` runs fp32 on the CPU only" in text and "`model.dtype=fp32`" in text
+    assert "up to 256 prompts" in text and "a.jsonl at 1200 of 1500" in text
+    assert "budget stopped it at 342 steps" in text and "`train.max_steps=342`" in text
+    cfg = {"model": {"matmul": "torch", "dtype": "fp32"}, "data": {"batch_size": 32, "max_minutes": None},
+           "train": {"epochs": 2, "max_steps": None, "max_minutes": 12}}
+    text = "\n".join(gpu_lines(cfg, {"steps": 1070, "epochs": 2, "prompt_sources": sources}))
+    assert "matmul" not in text and "bf16" not in text and "256" not in text and "1200 of 1500" not in text
+    assert "runs the same 1070 optimizer steps" in text
 
 
 def test_presets_set_the_source() -> None:
