@@ -24,6 +24,7 @@ import torch
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
+from specdec.cache_len import AUTO_FLOOR, cache_len, fit_cache, is_auto
 from specdec.cli_checks import (
     CONFIG_DIR,
     check_overrides,
@@ -116,14 +117,17 @@ def generation_params(cfg: DictConfig, eos_ids: tuple[int, ...] = ()) -> Generat
     g = cfg.generation
     max_new = _integer(g.max_new_tokens, "generation.max_new_tokens", 1)
     sampling = SamplingParams(_number(g.temperature, "generation.temperature"), _number(g.top_p, "generation.top_p"))
-    max_len = _integer(g.max_len, "generation.max_len", 2)
+    try:
+        max_len = None if is_auto(g.max_len) else _integer(g.max_len, "generation.max_len", 2)
+    except SpecdecError as e:
+        raise SpecdecError(f"{e} or auto") from None
     _integer(g.prefill_chunk, "generation.prefill_chunk", 1)
     _integer(g.get("batch_size", 1), "generation.batch_size", 1)
     _integer(cfg.seed, "seed", 0)
     _integer(cfg.warmup, "warmup", 0)
     _integer(cfg.repeats, "repeats", 1)
     _flag(g.get("prefix_cache", True), "generation.prefix_cache")
-    if max_new >= max_len:
+    if max_len is not None and max_new >= max_len:
         raise SpecdecError(f"generation.max_new_tokens={max_new} leaves no room for the prompt in "
                            f"generation.max_len={max_len}; raise max_len or lower max_new_tokens")
     return GenerationParams(max_new, sampling, eos_ids, _stop_strings(g.get("stop")))
@@ -150,7 +154,7 @@ def build_strategies(cfg: DictConfig, target: LoadedModel,
             scfg = scfg.copy()
             del scfg["prefix_cache"]
         factory = build(scfg)
-        built[name] = factory(target=target, max_len=int(cfg.generation.max_len),
+        built[name] = factory(target=target, max_len=cache_len(cfg.generation.max_len),
                               prefill_chunk=int(cfg.generation.prefill_chunk))
         built[name].reuse_prefix(reuse)
     return built
@@ -421,6 +425,11 @@ def run(cfg: DictConfig) -> dict[str, Any]:
 
     target: LoadedModel = build(cfg.model)
     params = dataclasses.replace(params, eos_ids=target.eos_ids)
+    if is_auto(cfg.generation.max_len):  # recorded as the number it became
+        cfg.generation.max_len = fit_cache(target, questions, params.max_new_tokens)
+        if cfg.generation.max_len > AUTO_FLOOR:
+            print(f"generation.max_len=auto: {cfg.generation.max_len} KV cache slots per sequence for the longest "
+                  "conversation", file=sys.stderr)
     strategies = build_strategies(cfg, target, strategy_cfgs)
     config = OmegaConf.to_container(cfg, resolve=True)
     assert isinstance(config, dict)
