@@ -223,7 +223,7 @@ def strategy_builders(models: Models, dtype: str, compiled: bool) -> dict[str, C
     """Every strategy, untrained drafters included, as a function of the target."""
     from heads.eagle import EagleTrainable
     from heads.medusa import medusa_heads
-    from specdec.strategies.draft import CostAware, DraftStrategy, FixedLength
+    from specdec.strategies.draft import DraftStrategy
     from specdec.strategies.eagle import EagleStrategy
     from specdec.strategies.eagle_tree import Eagle2
     from specdec.strategies.greedy import Greedy
@@ -231,6 +231,7 @@ def strategy_builders(models: Models, dtype: str, compiled: bool) -> dict[str, C
     from specdec.strategies.lookahead import Lookahead
     from specdec.strategies.medusa import Medusa
     from specdec.strategies.prompt_lookup import PromptLookup
+    from specdec.strategies.schedules import CostAware, FixedLength
 
     def draft() -> LoadedModel:
         return models.draft(dtype, compiled)
@@ -532,11 +533,12 @@ def speed_drafting(models: Models, name: str) -> dict[str, Any]:
     from heads.eagle import EagleTrainable
     from heads.medusa import medusa_heads
     from specdec.bench import drafting_cost
-    from specdec.strategies.draft import DraftStrategy, FixedLength
+    from specdec.strategies.draft import DraftStrategy
     from specdec.strategies.eagle import EagleStrategy
     from specdec.strategies.lookahead import Lookahead
     from specdec.strategies.medusa import Medusa
     from specdec.strategies.prompt_lookup import PromptLookup
+    from specdec.strategies.schedules import FixedLength
 
     target, n = models.big(), models.speed_max_len()
     build: dict[str, Callable[[], Strategy]] = {

@@ -22,9 +22,10 @@ from specdec.models.loader import LoadedModel, load_model
 from specdec.models.tiny import tiny_folder
 from specdec.strategies.base import GenerationParams, TurnResult
 from specdec.strategies.batched import Job
-from specdec.strategies.draft import DraftStrategy, FixedLength
+from specdec.strategies.draft import DraftStrategy
 from specdec.strategies.greedy import Greedy
 from specdec.strategies.prompt_lookup import PromptLookup
+from specdec.strategies.schedules import FixedLength
 from specdec.trees import tree_depth, tree_mask
 
 PATHS = ["torch", pytest.param("numba", marks=pytest.mark.skipif(not cpu_kernels.available(), reason="needs numba"))]

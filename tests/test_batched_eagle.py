@@ -21,8 +21,8 @@ from specdec.models.loader import LoadedModel
 from specdec.strategies.base import GenerationParams, TurnResult
 from specdec.strategies.batched import Job
 from specdec.strategies.batched_eagle import BatchedEagle
-from specdec.strategies.draft import FixedLength
 from specdec.strategies.eagle import EagleStrategy
+from specdec.strategies.schedules import FixedLength
 
 PATHS = ["torch", pytest.param("numba", marks=pytest.mark.skipif(not cpu_kernels.available(), reason="needs numba"))]
 K = 3  # the forced draft length: drafting (and rejection) surely happens

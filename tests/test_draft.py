@@ -17,18 +17,18 @@ from specdec.errors import SpecdecError
 from specdec.metrics import strategy_metrics
 from specdec.models.loader import LoadedModel, load_model
 from specdec.strategies.base import DecodeState, GenerationParams
-from specdec.strategies.draft import (
+from specdec.strategies.draft import DraftStrategy
+from specdec.strategies.greedy import Greedy
+from specdec.strategies.hf import HFAssisted
+from specdec.strategies.schedules import (
     Confidence,
     CostAware,
     DraftSchedule,
-    DraftStrategy,
     FixedLength,
     Heuristic,
     RoundStats,
     SitOut,
 )
-from specdec.strategies.greedy import Greedy
-from specdec.strategies.hf import HFAssisted
 
 PROMPTS = ["Summarize: the quick brown fox jumps over the lazy dog.", "def add(a, b):\n    return"]
 

@@ -27,9 +27,9 @@ from specdec.engine.sampling import SamplingParams, warp
 from specdec.errors import SpecdecError
 from specdec.models.loader import LoadedModel, load_model
 from specdec.strategies.base import DecodeState, GenerationParams
-from specdec.strategies.draft import Confidence, CostAware, FixedLength
 from specdec.strategies.eagle import EagleStrategy
 from specdec.strategies.greedy import Greedy
+from specdec.strategies.schedules import Confidence, CostAware, FixedLength
 
 PROMPTS = ["Summarize: the quick brown fox jumps over the lazy dog.", "def add(a, b):\n    return"]
 

@@ -36,9 +36,9 @@ from specdec.engine.static_step import StaticStep
 from specdec.errors import SpecdecError
 from specdec.models.loader import LoadedModel, load_model
 from specdec.strategies.base import DecodeState, GenerationParams
-from specdec.strategies.draft import FixedLength
 from specdec.strategies.eagle import EagleStrategy
 from specdec.strategies.greedy import Greedy
+from specdec.strategies.schedules import FixedLength
 
 PROMPT = [1, 17, 40, 99, 23, 17, 40, 99, 23, 5]
 

@@ -16,10 +16,10 @@ from specdec.engine.sampling import SamplingParams, warp
 from specdec.errors import SpecdecError
 from specdec.models.loader import LoadedModel
 from specdec.strategies.base import DecodeState, GenerationParams
-from specdec.strategies.draft import FixedLength
 from specdec.strategies.eagle import EagleStrategy
 from specdec.strategies.eagle_tree import Eagle2, EagleTreeProposer, RunCosts
 from specdec.strategies.greedy import Greedy
+from specdec.strategies.schedules import FixedLength
 from specdec.trees import children
 
 TEXTS = ["Summarize: the quick brown fox jumps over the lazy dog.", "def add(a, b):\n    return"]

@@ -17,9 +17,10 @@ from specdec.engine.engine import StaticEngine
 from specdec.engine.sampling import HOST_READS
 from specdec.models.loader import LoadedModel
 from specdec.strategies.base import DecodeState, GenerationParams, SpeculativeStrategy
-from specdec.strategies.draft import DraftStrategy, FixedLength
+from specdec.strategies.draft import DraftStrategy
 from specdec.strategies.greedy import Greedy
 from specdec.strategies.prompt_lookup import PromptLookup
+from specdec.strategies.schedules import FixedLength
 from specdec.verify import Proposal, Verdict
 from tests.helpers import make_looping_target, prompts
 

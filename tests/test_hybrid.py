@@ -24,12 +24,13 @@ from specdec.errors import SpecdecError
 from specdec.models.loader import LoadedModel
 from specdec.ngram import match_length
 from specdec.strategies.base import DecodeState, GenerationParams
-from specdec.strategies.draft import DraftStrategy, FixedLength
+from specdec.strategies.draft import DraftStrategy
 from specdec.strategies.eagle import EagleStrategy
 from specdec.strategies.greedy import Greedy
 from specdec.strategies.hybrid import LookupFirst, LookupHybrid
 from specdec.strategies.medusa import Medusa
 from specdec.strategies.rate import RateMeter
+from specdec.strategies.schedules import FixedLength
 
 PATTERN = [17, 40, 99, 23] * 6  # copying from it pays; a random model's own tokens rarely repeat it
 

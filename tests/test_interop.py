@@ -28,9 +28,9 @@ from specdec.cli_checks import CONFIG_DIR, group_config
 from specdec.errors import SpecdecError
 from specdec.models.loader import LoadedModel, load_model
 from specdec.strategies.base import GenerationParams
-from specdec.strategies.draft import FixedLength
 from specdec.strategies.eagle import EagleStrategy
 from specdec.strategies.greedy import Greedy
+from specdec.strategies.schedules import FixedLength
 
 REPO = Path(__file__).resolve().parent.parent
 PROMPT = [1, 17, 40, 99, 23, 17, 40, 99, 23, 5]

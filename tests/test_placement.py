@@ -34,12 +34,12 @@ from heads.medusa import medusa_heads
 from specdec.engine.engine import ForwardOut
 from specdec.engine.sampling import SamplingParams
 from specdec.models.loader import LoadedModel, load_model
-from specdec.strategies import draft as draft_mod
 from specdec.strategies import hybrid as hybrid_mod
 from specdec.strategies import medusa as medusa_mod
 from specdec.strategies import prompt_lookup as prompt_lookup_mod
+from specdec.strategies import schedules as schedules_mod
 from specdec.strategies.base import DecodeState, GenerationParams, SpeculativeStrategy
-from specdec.strategies.draft import CostAware, DraftStrategy, FixedLength
+from specdec.strategies.draft import DraftStrategy
 from specdec.strategies.eagle import EagleStrategy
 from specdec.strategies.eagle_tree import Eagle2
 from specdec.strategies.greedy import Greedy
@@ -47,6 +47,7 @@ from specdec.strategies.hybrid import LookupHybrid
 from specdec.strategies.lookahead import Lookahead
 from specdec.strategies.medusa import Medusa
 from specdec.strategies.prompt_lookup import PromptLookup
+from specdec.strategies.schedules import CostAware, FixedLength
 from specdec.verify import Verdict
 
 MAX_LEN, CHUNK = 96, 32
@@ -191,7 +192,7 @@ def flat_pass_costs(monkeypatch: pytest.MonkeyPatch) -> None:
     def flat(engine: Any, sizes: list[int], *args: Any, **kwargs: Any) -> dict[int, float]:
         return {n: 1.0 + 0.05 * (n - 1) for n in sizes}
 
-    for module in (draft_mod, hybrid_mod, medusa_mod, prompt_lookup_mod):
+    for module in (schedules_mod, hybrid_mod, medusa_mod, prompt_lookup_mod):
         monkeypatch.setattr(module, "pass_cost_curve", flat)
 
 

@@ -28,11 +28,12 @@ from specdec.models.loader import LoadedModel, load_model
 from specdec.report import ttft_turn_table
 from specdec.run import run
 from specdec.strategies.base import DecodeState, GenerationParams, SpeculativeStrategy
-from specdec.strategies.draft import DraftStrategy, FixedLength
+from specdec.strategies.draft import DraftStrategy
 from specdec.strategies.eagle import EagleStrategy
 from specdec.strategies.eagle_tree import Eagle2
 from specdec.strategies.greedy import Greedy
 from specdec.strategies.medusa import Medusa
+from specdec.strategies.schedules import FixedLength
 from specdec.trees import tree_depth, tree_mask
 from specdec.verify import Proposal, Verdict
 

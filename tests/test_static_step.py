@@ -21,7 +21,7 @@ from specdec.engine.static_step import bucket
 from specdec.errors import SpecdecError
 from specdec.models.loader import LoadedModel, load_model
 from specdec.strategies.base import GenerationParams, SpeculativeStrategy
-from specdec.strategies.draft import CostAware, DraftStrategy, FixedLength
+from specdec.strategies.draft import DraftStrategy
 from specdec.strategies.eagle import EagleStrategy
 from specdec.strategies.eagle_tree import Eagle2
 from specdec.strategies.greedy import Greedy
@@ -29,6 +29,7 @@ from specdec.strategies.hybrid import LookupHybrid
 from specdec.strategies.lookahead import Lookahead
 from specdec.strategies.medusa import Medusa
 from specdec.strategies.prompt_lookup import PromptLookup
+from specdec.strategies.schedules import CostAware, FixedLength
 from specdec.trees import tree_depth, tree_mask
 from tests.helpers import prompts, random_ids
 

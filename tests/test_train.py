@@ -27,8 +27,9 @@ from specdec.models import cpu_kernels
 from specdec.models.loader import LoadedModel, load_model
 from specdec.run import cpu_name
 from specdec.strategies.base import GenerationParams
-from specdec.strategies.draft import DraftStrategy, FixedLength
+from specdec.strategies.draft import DraftStrategy
 from specdec.strategies.greedy import Greedy
+from specdec.strategies.schedules import FixedLength
 
 
 @pytest.fixture(scope="module")

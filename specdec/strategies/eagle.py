@@ -26,7 +26,8 @@ from specdec.engine.kv_cache import KVCache
 from specdec.engine.static_step import BUCKETS, StaticStep
 from specdec.errors import SpecdecError
 from specdec.strategies.base import DecodeState, Proposer, SpeculativeStrategy
-from specdec.strategies.draft import ChainRound, Confidence, DraftSchedule
+from specdec.strategies.draft import ChainRound
+from specdec.strategies.schedules import Confidence, DraftSchedule
 from specdec.verify import Proposal, Verdict
 
 if TYPE_CHECKING:

@@ -42,8 +42,8 @@ from specdec.engine.timing import clock
 from specdec.errors import SpecdecError
 from specdec.ngram import as_tokens
 from specdec.strategies.base import DecodeState, Proposer
-from specdec.strategies.draft import FixedLength
 from specdec.strategies.eagle import EagleDraftNet, EagleProposer, EagleStrategy, TrainedEagle
+from specdec.strategies.schedules import FixedLength
 from specdec.verify import Proposal, Verdict
 
 
