@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from specdec.run import cpu_name, git_commit
+from specdec.provenance import cpu_name, git_commit
 
 CARD = "README.md"
 

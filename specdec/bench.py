@@ -35,7 +35,7 @@ from specdec.engine.timing import clock
 from specdec.errors import SpecdecError
 from specdec.models import cpu_kernels
 from specdec.models.loader import LoadedModel
-from specdec.run import cpu_name
+from specdec.provenance import cpu_name
 from specdec.strategies.base import GenerationParams, Strategy, make_engine, torch_threads
 
 

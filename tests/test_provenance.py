@@ -15,9 +15,10 @@ from omegaconf import DictConfig, OmegaConf
 
 from specdec.cli_checks import CONFIG_DIR, strategy_config
 from specdec.metrics import lossless
+from specdec.provenance import git_state, weights_source
 from specdec.report import write_report
 from specdec.results import earlier_strategy_configs
-from specdec.run import git_state, run, weights_source
+from specdec.run import run
 
 CHECK_RESULTS = Path(__file__).resolve().parents[2] / "shared" / "tools" / "check_results.py"
 TINY = ["model=tiny-llama", "generation.max_new_tokens=6", "warmup=0", "data.limit=3"]

@@ -25,7 +25,7 @@ from specdec.engine.engine import StaticEngine
 from specdec.errors import SpecdecError
 from specdec.models import cpu_kernels
 from specdec.models.loader import LoadedModel, load_model
-from specdec.run import cpu_name
+from specdec.provenance import cpu_name
 from specdec.strategies.base import GenerationParams
 from specdec.strategies.draft import DraftStrategy
 from specdec.strategies.greedy import Greedy
