@@ -155,7 +155,7 @@ class EagleTrainModule(nn.Module):
         self.net = net
 
     def forward(self, tokens: Tensor, features: Tensor) -> tuple[Tensor, Tensor]:
-        from heads.train import NoCache
+        from heads.batches import NoCache
 
         B, T = tokens.shape
         pos = torch.arange(T, device=tokens.device).expand(B, T)

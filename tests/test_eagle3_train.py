@@ -16,9 +16,10 @@ from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
+from heads.batches import NoCache, target_hidden
 from heads.eagle3 import Eagle3Net
 from heads.eagle3_train import Eagle3Trainable, Eagle3TrainModule
-from heads.train import NoCache, target_hidden, train
+from heads.train import train
 from specdec.cli_checks import CONFIG_DIR, group_config
 from specdec.errors import SpecdecError
 from specdec.models.llama import LlamaArgs, rope_inv_freq

@@ -16,9 +16,10 @@ from helpers import tiny_train_overrides
 from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig
 
+from heads.batches import LengthBatches, collate, target_hidden, with_cached_hidden
 from heads.distill_data import distill_prompts, to_example
 from heads.draft_model import DraftTrainable, load_draft
-from heads.train import LengthBatches, _cap_tokens, collate, make_accelerator, target_hidden, train, with_cached_hidden
+from heads.train import _cap_tokens, make_accelerator, train
 from specdec.cli_checks import CONFIG_DIR
 from specdec.data import default_suite
 from specdec.engine.engine import StaticEngine
@@ -172,8 +173,8 @@ def test_heads_reading_hidden_states_get_them_cached(tmp_path: Path, data_dir: P
 
 
 def test_generated_hidden_rows_equal_a_fresh_target_pass(tmp_path: Path, tiny_target: LoadedModel) -> None:
+    from heads.batches import with_generated_hidden
     from heads.distill_data import build_distill_dataset
-    from heads.train import with_generated_hidden
 
     distill = build_distill_dataset(tiny_target, per_category=1, seeds=(1,), max_new_tokens=6, batch_size=3,
                                     chunk_batches=1, cache_dir=str(tmp_path), log=lambda s: None)
