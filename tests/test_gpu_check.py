@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from specdec import gpu_check
-from specdec.gpu_check import Case, main, run_cases
+from specdec.gpu_check import Case, main, run_cases, runner
 
 
 def _read(out: Path) -> dict[str, Any]:
@@ -106,7 +106,7 @@ def test_main_records_a_raising_check_and_exits_nonzero(tmp_path: Path, monkeypa
     def broken(*args: Any) -> dict[str, Any]:
         raise RuntimeError("tree pass exploded")
 
-    monkeypatch.setattr(gpu_check, "check_tree", broken)
+    monkeypatch.setattr(runner, "check_tree", broken)  # all_cases reads it there
     rc = main(["--device", "cpu", "--out", str(tmp_path), "--cases", "tree/*/eager,speed/bandwidth"])
     r = _read(tmp_path)
     assert rc == 1 and set(r["cases"]) == {"tree/fp32/eager", "tree/bf16/eager", "speed/bandwidth"}

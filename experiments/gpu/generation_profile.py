@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from heads.batch_generate import _generate_batch
-from specdec.gpu_check import random_llama
+from specdec.gpu_check.models import random_llama
 
 SMOLLM2_135M = {"hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30, "num_attention_heads": 9,
                 "num_key_value_heads": 3, "vocab_size": 49152, "rope_theta": 100000.0,
