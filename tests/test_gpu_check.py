@@ -4,6 +4,8 @@ the runner's isolation: a case that raises, fails or overruns is recorded and th
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -119,3 +121,15 @@ def test_gpu_check_without_cuda_says_how_to_run_it(capsys: pytest.CaptureFixture
         pytest.skip("a GPU is visible: the no-GPU message cannot be shown")
     assert main(["--out", "/nonexistent"]) == 2
     assert "--device cpu --shape tiny" in capsys.readouterr().err
+
+
+def test_python_dash_m_runs_the_package() -> None:
+    # the command the docs give: the package's __main__ reaches the same CLI, with its own usage line
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is visible: the no-GPU exit cannot be shown")
+    help_ = subprocess.run([sys.executable, "-m", "specdec.gpu_check", "--help"], capture_output=True, text=True)
+    assert help_.returncode == 0 and help_.stdout.startswith("usage: python -m specdec.gpu_check")
+    assert "the one-script GPU check" in help_.stdout
+    run = subprocess.run([sys.executable, "-m", "specdec.gpu_check", "--out", "/nonexistent"], capture_output=True,
+                         text=True)
+    assert run.returncode == 2 and "--device cpu --shape tiny" in run.stderr
