@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specdec import gpu_check
-from specdec.gpu_check import Models, Options
+from specdec.gpu_check import correctness
+from specdec.gpu_check.models import Models, Options
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
@@ -22,9 +22,9 @@ def models() -> Models:
 
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
-@pytest.mark.parametrize("name", gpu_check.strategy_names())
+@pytest.mark.parametrize("name", correctness.strategy_names())
 def test_strategy_on_cuda_matches_greedy(models: Models, name: str, dtype: str, compiled: bool) -> None:
-    r = gpu_check.check_strategy(models, name, dtype, compiled)
+    r = correctness.check_strategy(models, name, dtype, compiled)
     assert r["passed"], r
     if compiled:
         assert r["engine"].endswith("+compiled"), r["engine"]
@@ -33,11 +33,11 @@ def test_strategy_on_cuda_matches_greedy(models: Models, name: str, dtype: str, 
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_tree_pass_on_cuda_matches_each_path(models: Models, dtype: str, compiled: bool) -> None:
-    r = gpu_check.check_tree(models, dtype, compiled)
+    r = correctness.check_tree(models, dtype, compiled)
     assert r["passed"], r
 
 
 def test_sampling_on_cuda_follows_the_target(models: Models) -> None:
-    r = gpu_check.check_sampling_rules(models)
+    r = correctness.check_sampling_rules(models)
     assert r["passed"], r
-    assert gpu_check.check_sampled_turns(models)["passed"]
+    assert correctness.check_sampled_turns(models)["passed"]

@@ -13,8 +13,8 @@ from typing import Any
 import pytest
 import torch
 
-from specdec import gpu_check
-from specdec.gpu_check import Case, main, run_cases, runner
+from specdec.gpu_check import correctness, runner, speed
+from specdec.gpu_check.runner import Case, main, run_cases
 
 
 def _read(out: Path) -> dict[str, Any]:
@@ -32,17 +32,17 @@ def test_gpu_check_on_cpu_tiny_shape_passes_every_case(tmp_path: Path) -> None:
     r = _read(tmp_path)
     failed = {k: v for k, v in r["cases"].items() if v["status"] != "passed"}
     assert rc == 0 and not failed and r["finished"]
-    names = gpu_check.strategy_names()
+    names = correctness.strategy_names()
     for dtype in ("fp32", "bf16"):
         assert {f"correct/{dtype}/eager/{s}" for s in names} <= set(r["cases"])
         assert f"tree/{dtype}/eager" in r["cases"]
     assert {"sampling/chi_square", "sampling/turns", "speed/weights", "speed/bandwidth", "speed/verification/eager",
             "correct/fp32/compiled/greedy"} <= set(r["cases"])
     assert not any(k.startswith("tree/") and k.endswith("/compiled") for k in r["cases"])  # --skip
-    assert {f"speed/decode/{d}" for d in gpu_check.DECODERS} <= set(r["cases"])
-    assert {f"speed/drafting/{d}" for d in gpu_check.DRAFTERS} <= set(r["cases"])
+    assert {f"speed/decode/{d}" for d in speed.DECODERS} <= set(r["cases"])
+    assert {f"speed/drafting/{d}" for d in speed.DRAFTERS} <= set(r["cases"])
     assert {f"speed/batch/b{b}" for b in (1, 4)} <= set(r["cases"])
-    for s in gpu_check.BATCHED:  # continuous batching reproduces the CPU's greedy, slot reuse included
+    for s in correctness.BATCHED:  # continuous batching reproduces the CPU's greedy, slot reuse included
         assert r["cases"][f"batch/fp32/{s}"]["result"]["identical"] == 1.0
     assert r["cases"]["speed/batch/b4"]["result"]["tokens"] == 4 * 6
     fp32 = r["cases"]["correct/fp32/eager/draft_random"]["result"]

@@ -32,20 +32,6 @@ CPU (the tests do); compiled cases there use inductor, so only a few strategies 
 --compiled-strategies says otherwise. Details and how to read the output: docs/gpu_check.md.
 """
 
-from specdec.gpu_check.correctness import (
-    BATCHED,
-    SAMPLED,
-    check_batched,
-    check_sampled_turns,
-    check_sampling_rules,
-    check_strategy,
-    check_tree,
-    strategy_names,
-)
-from specdec.gpu_check.models import Models, Options
-from specdec.gpu_check.runner import Case, all_cases, main, run_cases
-from specdec.gpu_check.speed import DECODERS, DRAFTERS
+from specdec.gpu_check.runner import main
 
-__all__ = ["BATCHED", "DECODERS", "DRAFTERS", "SAMPLED", "Case", "Models", "Options", "all_cases", "check_batched",
-           "check_sampled_turns", "check_sampling_rules", "check_strategy", "check_tree", "main", "run_cases",
-           "strategy_names"]
+__all__ = ["main"]  # the parts live in models, correctness, speed, report and runner
