@@ -245,6 +245,15 @@ def weights_text(w: Any) -> str | None:
     return f"{name} ({w.get('format')})" if w.get("format") else name
 
 
+def curves_text(curves: Any) -> str | None:
+    """environment.pass_cost_curves in a few words: each curve's cost of 2, 4, 8 and 16 new tokens in
+    one-token passes, e.g. "2: 1.01, 4: 1.04, 8: 1.31, 16: 1.92"."""
+    if not curves:
+        return None
+    parts = [", ".join(f"{n}: {c[n]:.2f}" for n in ("2", "4", "8", "16") if n in c) for c in curves.values()]
+    return "; ".join(parts)
+
+
 def markdown_table(header: Sequence[str], rows: Sequence[Sequence[str]], numeric: bool = True) -> str:
     rule = ["---"] + ["---:" if numeric else "---"] * (len(header) - 1)  # names left, numbers right
     lines = [header, rule, *rows]
@@ -380,6 +389,8 @@ def environment_table(runs: Sequence[Run]) -> str:
             for title, path in _ENV_ROWS]
     rows.append(["weights", *(_short(weights_text(_get(_env_config(r), "environment.weights")), 80)
                               if _get(_env_config(r), "environment.weights") is not None else "-" for r in runs)])
+    rows.append(["pass cost at start-up", *(curves_text(_get(_env_config(r), "environment.pass_cost_curves")) or "-"
+                                            for r in runs)])
     rows.append(["answers.jsonl rows", *("-" if r.answers is None else str(r.answers) for r in runs)])
     return markdown_table(header, rows, numeric=False)
 

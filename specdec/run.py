@@ -33,6 +33,7 @@ from specdec.cli_checks import (
     strategy_config,
 )
 from specdec.data import Question, select
+from specdec.engine.engine import measured_curves
 from specdec.engine.sampling import SamplingParams
 from specdec.errors import SpecdecError
 from specdec.metrics import add_speedup_ci, lossless, summarize
@@ -377,6 +378,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
             add_speedup_ci(summary)
             add_specbench_speedup(summary, log.rows(), target.tokenizer)  # Spec-Bench's definition
             config["environment"] |= kernel_target(target)  # a drafter may have compiled kernels since
+            config["environment"]["pass_cost_curves"] = measured_curves(target.model)  # what drafts were sized by
             summary["environment"] = config["environment"]
             add_provenance(summary, ran | earlier_strategy_configs(out_dir, set(summary["strategies"]) - set(ran)),
                            params.sampling.temperature)

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from specdec.engine import engine as engine_mod
-from specdec.engine.engine import SHARED_SIZES, StaticEngine, pass_cost_curve
+from specdec.engine.engine import SHARED_SIZES, StaticEngine, measured_curves, pass_cost_curve
 from specdec.models.loader import LoadedModel, load_model
 
 
@@ -72,3 +72,13 @@ def test_the_cpu_kernels_and_torch_matmuls_keep_separate_curves(tiny_target: Loa
     monkeypatch.setattr(tiny_target.model, "fused", object())  # as heads' generation switches the same model
     pass_cost_curve(engine, [2])
     assert len(timer.calls) == 2
+
+
+def test_the_run_records_the_curves_it_measured(tiny_target: LoadedModel, timer: Timer) -> None:
+    engine = StaticEngine(tiny_target.model, 128)
+    assert measured_curves(tiny_target.model) == {}  # nothing measured yet: nothing recorded
+    pass_cost_curve(engine, [2])
+    (key, curve), = measured_curves(tiny_target.model).items()
+    assert key == "StaticEngine, eager, 128 cached"
+    assert list(curve) == [str(n) for n in range(1, SHARED_SIZES + 1)]
+    assert curve["2"] == 1.5 and curve["16"] == 8.5  # the timer's (1 + n) / (1 + 1)

@@ -74,6 +74,9 @@ def test_environment_names_device_code_and_weights(two_strategies: tuple[Path, d
     if commit is not None:  # a git checkout: the full hash and a bool
         assert len(commit) == 40 and isinstance(dirty, bool)
     assert env["weights"] == {"format": "random", "source": "builtin:tiny-llama", "seed": 0}
+    (key, curve), = env["pass_cost_curves"].items()  # the one curve prompt lookup's gate sized its drafts by
+    assert key.startswith("StaticEngine, ") and curve["1"] == 1.0 and len(curve) >= 16
+    assert all(v > 0 for v in curve.values())
 
 
 def test_report_shows_intervals(two_strategies: tuple[Path, dict[str, Any]], tmp_path: Path) -> None:
@@ -83,6 +86,8 @@ def test_report_shows_intervals(two_strategies: tuple[Path, dict[str, Any]], tmp
     row = next(line for line in text.splitlines() if line.startswith("| prompt_lookup |"))
     assert f"[{lo:.2f}, {hi:.2f}]" in row and "| yes |" in row
     assert str(out) not in text  # no local absolute path
+    curve = next(iter(summary["environment"]["pass_cost_curves"].values()))
+    assert f"| pass cost at start-up | 2: {curve['2']:.2f}, 4: {curve['4']:.2f}, 8: " in text
 
 
 def test_the_default_models_weights_name_the_gguf_quantization() -> None:

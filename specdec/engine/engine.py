@@ -369,6 +369,17 @@ def pass_cost_curve(engine: Engine, sizes: list[int], context: int = 128, reps: 
     return {n: have[n] for n in sizes}
 
 
+def measured_curves(model: Any) -> dict[str, dict[str, float]]:
+    """The pass-cost curves this process measured for `model` (the shared ones of `pass_cost_curve`), for
+    the run's record: "<engine>, <how it ran>, <context> cached" -> {"n": a pass over n new tokens in
+    one-token passes}. What every cost-sized strategy of the run sized its drafts from."""
+    out: dict[str, dict[str, float]] = {}
+    for (engine, compiled, fused, context), curve in _CURVES.get(model, {}).items():
+        how = "compiled" if compiled else "CPU kernels" if fused else "eager"
+        out[f"{engine}, {how}, {context} cached"] = {str(n): round(c, 3) for n, c in sorted(curve.items())}
+    return out
+
+
 def pass_times(engine: Engine, ids: list[int], sizes: list[int], reps: int = 5) -> dict[int, float]:
     """Median seconds of a target pass over each number of new tokens in `sizes`, after `ids` are cached.
 
