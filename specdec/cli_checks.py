@@ -51,6 +51,7 @@ PRESET_STRATEGIES = {"draft_heuristic": "draft_schedules", "draft_confidence": "
                      "greedy_full": "prefix_cache", "draft_candidate": "heldapart", "medusa_candidate": "heldapart",
                      "hydra_candidate": "heldapart", "eagle_candidate": "heldapart",
                      "eagle3_candidate": "heldapart", "eagle3_tree_candidate": "heldapart",
+                     "medusa_63": "paper_trees", "eagle2_60": "paper_trees",
                      **{f"eagle_{n}": "eagle_scaling"
                         for n in ("040k", "080k", "160k", "all", "x2", "x3", "x4", "x5", "x6")}}
 SLURM_EXTRA = "pip install 'specdec[slurm]'"
