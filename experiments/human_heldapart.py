@@ -26,6 +26,7 @@ import subprocess
 import sys
 import tempfile
 import zipfile
+from collections.abc import Callable
 from pathlib import Path
 
 import yaml
@@ -96,7 +97,7 @@ def normal(text: str) -> str:
     return " ".join(text.lower().split())
 
 
-def select(corpus: dict[str, list[list[str]]], seed: int, unseen) -> list[dict]:
+def select(corpus: dict[str, list[list[str]]], seed: int, unseen: Callable[[str], bool]) -> list[dict]:
     """Per category, `count` distinct first lines that ask something and pass `unseen`, drawn with `seed`."""
     rng = random.Random(seed)
     out: list[dict] = []
