@@ -32,6 +32,7 @@ from pathlib import Path
 import yaml
 
 from heads.contamination import REPO, EvalIndex, builder_prompts, evaluation_turns, read_prompts
+from heads.instruction_prompts import instruction_prompts
 from specdec.errors import SpecdecError
 
 WHEEL = "chatterbot_corpus-1.3.3-py2.py3-none-any.whl"
@@ -116,15 +117,22 @@ def select(corpus: dict[str, list[list[str]]], seed: int, unseen: Callable[[str]
                 taken.add(normal(text))
                 picked.append(text)
         if len(picked) < count:
-            raise SpecdecError(f"category {category}: only {len(picked)} of {count} usable questions")
+            raise SpecdecError(f"category {category}: only {len(picked)} of {count} usable questions (those in "
+                               "another held-apart or evaluation file do not count); lower its count in CATEGORIES")
         out += [{"question_id": f"human-{category}-{i}", "category": category, "turns": [t]}
                 for i, t in enumerate(picked)]
     return out
 
 
+SHIPPED_DRAWS = (1200, 2400, 4800)  # data.instructions of the drafters shipped so far, as in chat_heldapart.py
+
+
 def training_text() -> str:
-    """Every training prompt the shipped drafters drew on, normalized and joined."""
+    """Every training prompt the shipped drafters drew on, normalized and joined: the builder's defaults, the
+    instruction templates at every shipped draw and the committed Magpie files."""
     prompts = builder_prompts()
+    for n in SHIPPED_DRAWS:
+        prompts += instruction_prompts(n, seed=1)
     for path in sorted((REPO / "heads" / "data").glob("*.jsonl.gz")):
         prompts += read_prompts(path)
     return "\n".join(normal(p) for p in prompts)
