@@ -39,8 +39,9 @@ def drafter(tiny_target: LoadedModel, tmp_path_factory: pytest.TempPathFactory) 
                                 {"depth": 3, "topk": 3, "nodes": 8, "size": "cost"},
                                 {"depth": 4, "topk": 3, "nodes": 4, "size": "cost", "grow": "useful"},
                                 {"depth": 4, "topk": 3, "nodes": 6, "size": "cost", "estimate": "observed"},
-                                {"depth": 4, "topk": 3, "nodes": 6, "size": "cost", "curve": "run"}],
-                         ids=["3x3", "4x2", "cost", "cost-useful", "cost-observed", "cost-run"])
+                                {"depth": 4, "topk": 3, "nodes": 6, "size": "cost", "curve": "run"},
+                                {"depth": 6, "topk": 10, "nodes": 60}],  # EAGLE-2's size (experiment=paper_trees)
+                         ids=["3x3", "4x2", "cost", "cost-useful", "cost-observed", "cost-run", "paper60"])
 def test_eagle2_reproduces_greedy(tiny_target: LoadedModel, drafter: Path, kw: dict[str, Any]) -> None:
     strategy = Eagle2(tiny_target, "eagle2", load_eagle(str(drafter)), max_len=512, prefill_chunk=64, **kw)
     if strategy.costs is not None:  # measured on ~1 ms passes, noise could price every node out: a known curve
@@ -53,6 +54,8 @@ def test_eagle2_reproduces_greedy(tiny_target: LoadedModel, drafter: Path, kw: d
         res = strategy.generate(prompt, GenerationParams(40), 0)
         assert res.output_ids == greedy.generate(prompt, GenerationParams(40), 0).output_ids
         assert res.proposed > 0
+        if "size" not in kw:  # size=fixed: the rounds verify (nearly) all `nodes`, fewer only near the end
+            assert res.proposed_nodes >= 0.9 * kw["nodes"] * res.decode_steps
     if strategy.observed is not None:  # the run's acceptance moved the estimate off the prior
         assert strategy.observed.accepted > 20 and strategy.observed.predicted > 20
         assert strategy.observed.scale() != 1.0

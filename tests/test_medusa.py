@@ -38,7 +38,9 @@ VOCAB = 512
 CHAIN = chain_tree(4)
 WIDE = [(r,) for r in range(8)] + [(0, 0), (1, 0)]
 DEEP = [(0,), (0, 0), (0, 0, 0), (0, 0, 0, 0), (1,), (1, 0), (1, 0, 0), (0, 1), (0, 1, 0)]
-TREES = {"chain": CHAIN, "wide": WIDE, "deep": DEEP, "default": "default"}
+# the paper's 63-node tree for the shipped heads (experiment=paper_trees): ranks up to 7, four levels deep
+PAPER63 = str(CONFIG_DIR.parent / "heads" / "trees" / "smollm2-135m-medusa-63.yaml")
+TREES = {"chain": CHAIN, "wide": WIDE, "deep": DEEP, "default": "default", "paper63": PAPER63}
 
 
 def path_of(parents: list[int], node: int) -> list[int]:
@@ -249,7 +251,7 @@ class OracleProposer(MedusaProposer):
         return top
 
 
-@pytest.mark.parametrize("tree", ["chain", "wide", "deep", "default"])
+@pytest.mark.parametrize("tree", ["chain", "wide", "deep", "default", "paper63"])
 def test_oracle_heads_accept_long_paths_and_stay_lossless(tiny_target: LoadedModel, tree: str) -> None:
     n = 48
     medusa = Medusa(tiny_target, max_len=256, heads=medusa_heads(tiny_target, num_heads=4), tree=TREES[tree])

@@ -336,6 +336,34 @@ def test_fused_cpu_tree_nodes_equal_their_paths_bitwise(load_tiny: Callable[...,
         assert torch.equal(last[-1], logits[node]), node
 
 
+def test_fused_cpu_trees_past_one_call_equal_their_paths_bitwise(load_tiny: Callable[..., LoadedModel]) -> None:
+    """The papers' tree sizes (about 60 nodes, experiment=paper_trees) pass more than MAX_ROWS tokens, past the
+    one-call fused stack: each node still gets bitwise the logits of decoding its path one token at a time."""
+    from specdec.trees import tree_depth, tree_mask
+
+    model = load_tiny("llama", matmul="numba").model
+    ids = random_ids(12, VOCAB, seed=11)
+    gen = torch.Generator().manual_seed(3)
+    parents = [int(torch.randint(0, max(1, i // 3 + 1), (), generator=gen)) for i in range(60)]  # node i+1's parent
+    tokens = random_ids(61, VOCAB, seed=12)  # the root, then one token per node
+    assert len(tokens) > cpu_kernels.MAX_ROWS
+    engine = StaticEngine(model, 128, prefill_chunk=8)
+    engine.prefill(ids)
+    logits = engine.forward(torch.tensor(tokens), depth=tree_depth(parents), mask=tree_mask(parents)).logits
+    for node in range(len(tokens)):
+        path, n = [], node
+        while True:
+            path.insert(0, tokens[n])
+            if n == 0:
+                break
+            n = parents[n - 1]
+        seq = StaticEngine(model, 128, prefill_chunk=8)
+        seq.prefill(ids)
+        for t in path:
+            last = seq.forward(torch.tensor([t])).logits
+        assert torch.equal(last[-1], logits[node]), node
+
+
 def test_auto_matmul_leaves_the_model_running_the_kind_it_reports(load_tiny: Callable[..., LoadedModel]) -> None:
     """matmul=auto times each kind in turn and keeps the fastest: the model afterwards runs exactly that
     kind's layers (the last one timed stays in place rather than being rebuilt) and the torch logits."""
