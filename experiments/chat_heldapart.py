@@ -21,10 +21,7 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from heads.instruction_prompts import instruction_prompts
-
-# data.instructions of every drafter shipped so far (draft and Medusa heads: 4800; earlier ones 1200, 2400)
-SHIPPED_DRAWS = (1200, 2400, 4800)
+from heads.instruction_prompts import SHIPPED_DRAWS, instruction_prompts
 
 
 def chat_questions(count: int = 14, seed: int = 99) -> list[dict]:

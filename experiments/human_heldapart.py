@@ -32,7 +32,7 @@ from pathlib import Path
 import yaml
 
 from heads.contamination import REPO, EvalIndex, builder_prompts, evaluation_turns, read_prompts
-from heads.instruction_prompts import instruction_prompts
+from heads.instruction_prompts import SHIPPED_DRAWS, instruction_prompts
 from specdec.errors import SpecdecError
 
 WHEEL = "chatterbot_corpus-1.3.3-py2.py3-none-any.whl"
@@ -122,9 +122,6 @@ def select(corpus: dict[str, list[list[str]]], seed: int, unseen: Callable[[str]
         out += [{"question_id": f"human-{category}-{i}", "category": category, "turns": [t]}
                 for i, t in enumerate(picked)]
     return out
-
-
-SHIPPED_DRAWS = (1200, 2400, 4800)  # data.instructions of the drafters shipped so far, as in chat_heldapart.py
 
 
 def training_text() -> str:

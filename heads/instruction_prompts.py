@@ -240,6 +240,11 @@ def _fill(template: str, rng: random.Random, paragraphs: list[str]) -> str:
     return template.format(**values)
 
 
+# data.instructions of every drafter shipped so far (draft and Medusa heads: 4800; earlier ones 1200, 2400), drawn
+# with the data's first seed (1): what the held-apart builders keep out (experiments/*_heldapart.py)
+SHIPPED_DRAWS = (1200, 2400, 4800)
+
+
 def instruction_prompts(count: int, seed: int, exclude: Iterable[str] = ()) -> list[str]:
     """`count` distinct instructions, kinds interleaved, reproducible from `seed`. No paragraph quoted and
     no instruction made shares a 13-word n-gram with a text of `exclude` (the evaluation turns); with
