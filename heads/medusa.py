@@ -157,7 +157,8 @@ class MedusaHeads(nn.Module):
             self.proj = nn.Parameter(w[None].repeat(cfg.num_heads, 1, 1))  # (K, V', dim)
         else:
             self.register_buffer("proj", w, persistent=False)  # (V', dim), frozen, not saved
-        self.proj_panels: np.ndarray | None = None  # set by `use_cpu_kernels`
+        self.proj_panels: np.ndarray | None = None  # set by `use_cpu_kernels`: the shared projection
+        self.own_panels: list[np.ndarray] | None = None  # set by `use_cpu_kernels`: each head's own projection
         self.block_panels: list[tuple[np.ndarray, np.ndarray]] | None = None  # per layer: (panels, biases (K, dim))
         self.compiled: Callable[..., Any] | None = None  # set by `compile_steps`
 
@@ -191,8 +192,8 @@ class MedusaHeads(nn.Module):
 
     def use_cpu_kernels(self, weights: str = "fp32", block_weights: str = "fp32") -> None:
         """Run the heads at inference through specdec's few-row CPU kernels, as the target does: the
-        residual blocks from a `block_weights` copy, and the projection, when it is shared, from a
-        `weights` copy (fp32, bf16 or int8; cpu_kernels.pack).
+        residual blocks from a `block_weights` copy, and the projection (shared, or each head's own) from
+        a `weights` copy (fp32, bf16 or int8; cpu_kernels.pack).
 
         Why: torch runs single-threaded beside those kernels (see `LoadedModel.torch_threads`). Right
         after a target pass has pushed the heads out of cache, a step with the kernels (every head's first
@@ -209,6 +210,8 @@ class MedusaHeads(nn.Module):
             return
         if self.proj.ndim == 2:
             self.proj_panels = cpu_kernels.pack(self.proj.contiguous().numpy(), kind=weights)
+        elif not self.cfg.sequential:  # (sequential heads read the shared projection only)
+            self.own_panels = [cpu_kernels.pack(w.float().contiguous().numpy(), kind=weights) for w in self.proj]
         self._pack_blocks(block_weights)
 
     def _pack_blocks(self, block_weights: str) -> None:
@@ -312,6 +315,11 @@ class MedusaHeads(nn.Module):
             x = torch.from_numpy(self._cpu_features(hidden, d, root))  # (S, d, dim)
         else:  # in the heads' dtype, one root as a plain index: nothing made on the host
             x = self.features(hidden.to(self.proj.dtype), root, d)  # (S, d, dim)
+        if self.own_panels is not None:  # head k's rows through its own panels
+            V = self.proj.shape[1]
+            xs = x.float().numpy()
+            return torch.from_numpy(np.stack([cpu_kernels.matmul(xs[:, k], self.own_panels[k], V)
+                                              for k in range(d)], axis=1))  # (S, d, V')
         if self.proj.ndim == 3:
             return torch.bmm(self.proj[:d], x.permute(1, 2, 0)).permute(2, 0, 1)  # (S, d, V')
         rows = x.reshape(S * d, -1)  # (S d, dim)

@@ -152,8 +152,10 @@ class MedusaTrainable:
         heads = heads_for(cfg, output_weight(target), kept)
         if start is not None:
             dev = heads.kept_ids.device
-            heads.load_state_dict({k: v.to(dev) if k == "kept_ids" else v.to(dev, torch.float32)
-                                   for k, v in start.items()})
+            missing, unexpected = heads.load_state_dict({k: v.to(dev) if k == "kept_ids" else v.to(dev, torch.float32)
+                                                for k, v in start.items()}, strict=False)
+            # only own copies grown from a shared start are missing: they were built from the target above
+            assert not unexpected and missing in ([], ["proj"]), (missing, unexpected)
         if isinstance(heads, SequentialMedusaHeads):
             heads.chain_grad = self.chain_grad
         return MedusaLoss(heads)
@@ -161,7 +163,10 @@ class MedusaTrainable:
     def _saved_start(self, target: LoadedModel, cfg: MedusaConfig) -> dict[str, Tensor]:
         """head.init_from's saved state, checked to be heads of exactly this head config."""
         _, saved, meta, state = read_saved(target, str(self.init_from))
-        differ = [f"{f}={getattr(saved, f)}" for f in MEDUSA_SHAPE if getattr(saved, f) != getattr(cfg, f)]
+        # shared -> own is allowed: each head's own copy starts as the frozen rows it learnt to score
+        grows = saved.projection == "shared" and cfg.projection == "own"
+        differ = [f"{f}={getattr(saved, f)}" for f in MEDUSA_SHAPE
+                  if getattr(saved, f) != getattr(cfg, f) and not (f == "projection" and grows)]
         if differ:
             raise SpecdecError(f"head.init_from={self.init_from} holds other heads ({', '.join(differ)}); "
                                f"set those head options to match it, or leave head.init_from unset")

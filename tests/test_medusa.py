@@ -105,8 +105,9 @@ def test_topk_runs_only_the_heads_asked_for(tiny_target: LoadedModel, projection
     want = heads.kept_ids[logits.topk(4, dim=-1).indices]  # (3, 4)
     assert torch.equal(heads.topk(h, 4), want)
     assert torch.equal(heads.topk(h, 4, depth=2), want[:2])
-    heads.use_cpu_kernels()  # the target's few-row CPU kernels: the blocks, and the projection when shared
+    heads.use_cpu_kernels()  # the target's few-row CPU kernels: the blocks and the projection, shared or own
     assert (heads.proj_panels is not None) == (projection == "shared" and cpu_kernels.available())
+    assert (heads.own_panels is not None) == (projection == "own" and cpu_kernels.available())
     assert (heads.block_panels is not None) == cpu_kernels.available()
     assert torch.equal(heads.topk(h, 4, depth=1), want[:1])
     if cpu_kernels.available():  # an int8 copy of the projection ranks by the rounded weights; blocks stay fp32
@@ -121,6 +122,11 @@ def test_topk_runs_only_the_heads_asked_for(tiny_target: LoadedModel, projection
             np.testing.assert_allclose(logits, features @ rounded.T, rtol=1e-4, atol=1e-4)
             ranked = heads.kept_ids[torch.from_numpy(logits).topk(4, dim=-1).indices]
             assert torch.equal(heads.topk(h, 4, depth=2), ranked)
+        if heads.own_panels is not None:  # each head's rows through its own rounded copy
+            assert [p.dtype for p in heads.own_panels] == [np.int8] * 3
+            rounded = [cpu_kernels.to_int8(w.numpy()) for w in heads.proj[:2]]
+            logits = np.stack([f @ r.T for f, r in zip(features, rounded)])  # (2, V')
+            np.testing.assert_allclose(heads._step_logits(h[None], 2)[0].numpy(), logits, rtol=1e-4, atol=1e-4)
     with pytest.raises(SpecdecError, match="not one of"):
         heads.use_cpu_kernels("fp8")
 
@@ -512,6 +518,35 @@ def test_heads_can_start_from_saved_heads(tmp_path: Path, tiny_target: LoadedMod
     with pytest.raises(SpecdecError, match="sequential=False"):
         MedusaTrainable(num_heads=3, num_layers=1, head_vocab=128, root_input=True, sequential=True,
                         init_from=str(first)).build(tiny_target)
+
+
+def test_own_projections_grow_from_shared_heads(tmp_path: Path, tiny_target: LoadedModel) -> None:
+    """head.projection=own with head.init_from shared heads: each head's copy starts as the frozen rows the
+    start scored (the same logits), then trains apart from the target's head, which stays as it was."""
+    from hydra import compose, initialize_config_dir
+
+    from heads.train import train
+
+    def run(out: Path, *overrides: str) -> dict:
+        with initialize_config_dir(str(CONFIG_DIR), version_base=None):
+            return train(compose("train", overrides=[
+                *tiny_train_overrides("medusa", out, tmp_path / "data", 24), "train.warmup_steps=0",
+                "head.num_heads=3", "head.head_vocab=128", *overrides]))
+
+    first = tmp_path / "first"
+    run(first, "train.max_steps=20", "train.lr=1e-2")
+    shared = load_heads(tiny_target, first)
+    module = MedusaTrainable(num_heads=3, head_vocab=128, projection="own", init_from=str(first)).build(tiny_target)
+    assert module.heads.proj.shape == (3, 128, shared.proj.shape[1])
+    hidden = torch.randn(5, shared.proj.shape[1])
+    torch.testing.assert_close(module.heads(hidden), shared(hidden))
+    head_before = output_weight(tiny_target).clone()
+    run(tmp_path / "own", "train.max_steps=5", "train.lr=1e-2", "head.projection=own", f"head.init_from={first}")
+    own = load_heads(tiny_target, tmp_path / "own")
+    assert own.cfg.projection == "own" and not torch.equal(own.proj[0], shared.proj)
+    assert torch.equal(output_weight(tiny_target), head_before)
+    with pytest.raises(SpecdecError, match="projection=own"):  # own copies cannot shrink back onto the shared head
+        MedusaTrainable(num_heads=3, head_vocab=128, init_from=str(tmp_path / "own")).build(tiny_target)
 
 
 def test_trees_need_the_compact_engine_chains_do_not(load_tiny) -> None:
