@@ -277,6 +277,39 @@ def test_heldapart_overlap_and_paired_exclude_only(tmp_path: Path, monkeypatch: 
         paired.main()
 
 
+def test_phase_split_reads_each_questions_phase_from_the_baseline(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    # Questions q0-q3 ran while a greedy step took 10 ms, q4-q7 while it took 20: A, at 25 ms a round of 2
+    # tokens, is 0.8x greedy in the first phase and 1.6x in the second; over all, 8 / 6 of greedy's speed.
+    rows = []
+    for i in range(8):
+        step = 0.010 if i < 4 else 0.020
+        rows += [{"question_id": f"q{i}", "strategy": "greedy", "new_tokens": 100, "ttft_s": 0.0,
+                  "wall_time_s": 100 * step, "decode_steps": 100, "accept_lengths": [1] * 100},
+                 {"question_id": f"q{i}", "strategy": "a", "new_tokens": 100, "ttft_s": 0.0,
+                  "wall_time_s": 50 * 0.025, "decode_steps": 50, "accept_lengths": [2] * 50,
+                  "draft_time_s": 50 * 0.005}]
+    (tmp_path / "answers.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (tmp_path / "summary.json").write_text(json.dumps({"baseline": "greedy"}))
+    script = _script("phase_split")
+    monkeypatch.setattr("sys.argv", ["phase_split.py", str(tmp_path), "a"])
+    script.main()
+    out = capsys.readouterr().out
+    assert "split at 15.0 ms (Otsu)" in out and "one phase" not in out
+    assert "all 8 questions: a / greedy 1.200" in out
+    assert ("fast (4 questions, greedy 10.0 ms a step): a / greedy 0.800 [0.800, 0.800], tau 2.00 and 1.00; "
+            "a round costs 2.00 + 0.50 (drafting) steps of greedy") in out
+    assert "slow (4 questions, greedy 20.0 ms a step): a / greedy 1.600 [1.600, 1.600]" in out
+    assert "a round costs 1.00 + 0.25 (drafting)" in out
+    monkeypatch.setattr("sys.argv", ["phase_split.py", str(tmp_path), "a", "--split", "25"])
+    script.main()
+    out = capsys.readouterr().out
+    assert "split at 25.0 ms (given)" in out and "fast (8 questions" in out and "slow (" not in out
+    monkeypatch.setattr("sys.argv", ["phase_split.py", str(tmp_path), "b"])
+    with pytest.raises(SystemExit, match="no answers of b; it holds a, greedy"):
+        script.main()
+
+
 def test_row_coverage_counts_the_baselines_tokens_in_the_rows(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                                capsys: pytest.CaptureFixture[str]) -> None:
     import torch
