@@ -230,6 +230,21 @@ def test_random_heads_reproduce_greedy(tiny_target: LoadedModel, tree: str) -> N
         _check_accounting(res)
 
 
+def test_own_projection_heads_on_the_cpu_kernels_reproduce_greedy(tiny_target: LoadedModel) -> None:
+    """Heads with their own (perturbed) projections, each streamed from an int8 copy when the kernels exist:
+    other candidates, the same output."""
+    heads = medusa_heads(tiny_target, num_heads=3, projection="own", head_vocab=200, seed=7)
+    with torch.no_grad():
+        heads.proj.add_(torch.randn(heads.proj.shape, generator=torch.Generator().manual_seed(8)) * 0.5)
+    heads.use_cpu_kernels("int8")
+    assert (heads.own_panels is not None) == cpu_kernels.available()
+    medusa = Medusa(tiny_target, max_len=256, heads=heads, tree=TREES["default"])
+    for prompt, want in zip(PROMPTS, _greedy_outputs(tiny_target, PROMPTS, 40)):
+        res = medusa.generate(prompt, GenerationParams(40), 0)
+        assert res.output_ids == want
+        _check_accounting(res)
+
+
 def _check_accounting(res: TurnResult) -> None:
     assert res.accept_lengths is not None and res.decode_steps is not None
     assert sum(res.accept_lengths) == len(res.output_ids)
