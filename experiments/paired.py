@@ -33,12 +33,18 @@ def main() -> None:
     if not a or not b:
         names = sorted({r["strategy"] for r in rows})
         raise SystemExit(f"{args.run_dir} has no answers of {args.a if not a else args.b}; it holds {', '.join(names)}")
-    point = (sum(r["new_tokens"] for r in a) / sum(r["wall_time_s"] for r in a)) / (
-        sum(r["new_tokens"] for r in b) / sum(r["wall_time_s"] for r in b))
-    lo, hi = speedup_ci(a, b, point) or (point, point)
+    point, lo, hi = paired_ratio(a, b)
     verdict = "a tie" if lo <= 1 <= hi else ("better" if lo > 1 else "worse")
     left = f", {len(a)} answers after {flag}" if listed is not None else ""
     print(f"{args.a} / {args.b}: {point:.3f} [{lo:.3f}, {hi:.3f}] ({verdict}{left}); tau {tau(a)} and {tau(b)}")
+
+
+def paired_ratio(a: list[dict], b: list[dict]) -> tuple[float, float, float]:
+    """A's tokens/s over B's, pooled over the answers, with its 95% paired bootstrap interval over questions."""
+    point = (sum(r["new_tokens"] for r in a) / sum(r["wall_time_s"] for r in a)) / (
+        sum(r["new_tokens"] for r in b) / sum(r["wall_time_s"] for r in b))
+    lo, hi = speedup_ci(a, b, point) or (point, point)
+    return point, lo, hi
 
 
 def read_ids(flag: str, path: Path, rows: list[dict], run_dir: Path) -> set[str]:

@@ -1,27 +1,29 @@
-"""Speedups split by the host's speed phase: `python experiments/phase_split.py RUN_DIR A [B] [--split MS]`.
+"""Speedups split by the host's speed state: `python experiments/phase_split.py RUN_DIR A [B] [--split MS]`.
 
-Some hosts switch between two speeds for minutes at a time (the 2-core AMD EPYC of experiments/README.md,
-"The acceptance runs on an AMD EPYC"): a one-token target pass takes about 13 ms in one phase and about 19 ms
-in the other. A question's phase is read from B's time per decode step over its turns, (wall - ttft) / steps;
+Some hosts switch between two speeds for tens of seconds at a time (the 2-core AMD EPYC of experiments/README.md,
+"The acceptance runs on an AMD EPYC"): a one-token target pass takes about 13 ms in one state and about 19 ms
+in the other. A question's state is read from B's time per decode step over its turns, (wall - ttft) / steps;
 B is the run's baseline unless named. Questions split at `--split MS`, else at the threshold that best
-separates the two groups (Otsu's: the largest between-group variance). Per phase it prints A's speedup over B
+separates the two groups (Otsu's: the largest between-group variance). Per state it prints A's speedup over B
 with the paired 95% bootstrap interval of summary.json (specdec.metrics.speedup_ci), both taus, and what A's
 decode round costs in B's steps: drafting, and the rest (the target's pass over the proposal, verification,
 bookkeeping).
 
-The phase is B's: it may change between the strategies' turns of one question, which blurs the split
-without biasing it towards either strategy.
+The state is B's: it may change between the strategies' turns of one question, which blurs the split. A run
+alternates the strategies' order from one question to the next, so the blur favours neither strategy.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
-from specdec.metrics import speedup_ci
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from paired import paired_ratio, tau  # noqa: E402  (a sibling script, not a package)
 
-DISTINCT = 1.15  # groups whose mean step times differ by less than this ratio are one phase
+DISTINCT = 1.15  # groups whose mean step times differ by less than this ratio are one state
 
 
 def step_ms(rows: list[dict]) -> dict[str, float]:
@@ -47,18 +49,9 @@ def otsu(values: list[float]) -> float:
     return cut
 
 
-def tau(rows: list[dict]) -> float | None:
-    steps = sum(len(r.get("accept_lengths") or []) for r in rows)
-    return sum(sum(r.get("accept_lengths") or []) for r in rows) / steps if steps else None
-
-
 def compare(a: list[dict], b: list[dict]) -> str:
-    point = (sum(r["new_tokens"] for r in a) / sum(r["wall_time_s"] for r in a)) / (
-        sum(r["new_tokens"] for r in b) / sum(r["wall_time_s"] for r in b))
-    lo, hi = speedup_ci(a, b, point) or (point, point)
-    ta, tb = tau(a), tau(b)
-    taus = " and ".join("-" if t is None else f"{t:.2f}" for t in (ta, tb))
-    return f"{point:.3f} [{lo:.3f}, {hi:.3f}], tau {taus}{round_costs(a, b)}"
+    point, lo, hi = paired_ratio(a, b)
+    return f"{point:.3f} [{lo:.3f}, {hi:.3f}], tau {tau(a)} and {tau(b)}{round_costs(a, b)}"
 
 
 def round_costs(a: list[dict], b: list[dict]) -> str:
@@ -77,8 +70,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("run_dir", type=Path)
     ap.add_argument("a")
-    ap.add_argument("b", nargs="?", default=None, help="the strategy whose step time sets the phase (the baseline)")
-    ap.add_argument("--split", type=float, default=None, help="ms per step between the phases (default: Otsu's)")
+    ap.add_argument("b", nargs="?", default=None, help="the strategy whose step time sets the state (the baseline)")
+    ap.add_argument("--split", type=float, default=None, help="ms per step between the states (default: Otsu's)")
     args = ap.parse_args()
     answers = args.run_dir / "answers.jsonl"
     if not answers.is_file():
@@ -98,7 +91,7 @@ def main() -> None:
     print(f"{args.run_dir}: {b_name}'s step time per question split at {cut:.1f} ms "
           f"({'given' if args.split is not None else 'Otsu'})")
     if len(means) == 2 and means["slow"] / means["fast"] < DISTINCT:
-        print(f"  the groups' mean step times differ by {means['slow'] / means['fast'] - 1:.0%}: one phase")
+        print(f"  the groups' mean step times differ by {means['slow'] / means['fast'] - 1:.0%}: one state")
     print(f"  all {len(per_q)} questions: {args.a} / {b_name} {compare(*pick(rows, args.a, b_name, set(per_q)))}")
     for name, qs in groups.items():
         if qs:

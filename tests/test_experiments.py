@@ -295,7 +295,7 @@ def test_phase_split_reads_each_questions_phase_from_the_baseline(tmp_path: Path
     monkeypatch.setattr("sys.argv", ["phase_split.py", str(tmp_path), "a"])
     script.main()
     out = capsys.readouterr().out
-    assert "split at 15.0 ms (Otsu)" in out and "one phase" not in out
+    assert "split at 15.0 ms (Otsu)" in out and "one state" not in out
     assert "all 8 questions: a / greedy 1.200" in out
     assert ("fast (4 questions, greedy 10.0 ms a step): a / greedy 0.800 [0.800, 0.800], tau 2.00 and 1.00; "
             "a round costs 2.00 + 0.50 (drafting) steps of greedy") in out
@@ -308,6 +308,13 @@ def test_phase_split_reads_each_questions_phase_from_the_baseline(tmp_path: Path
     monkeypatch.setattr("sys.argv", ["phase_split.py", str(tmp_path), "b"])
     with pytest.raises(SystemExit, match="no answers of b; it holds a, greedy"):
         script.main()
+    for r in rows:  # greedy at 10 and 11 ms a step: two groups, one state
+        if r["strategy"] == "greedy" and r["wall_time_s"] > 1.5:
+            r["wall_time_s"] = 1.1
+    (tmp_path / "answers.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    monkeypatch.setattr("sys.argv", ["phase_split.py", str(tmp_path), "a"])
+    script.main()
+    assert "the groups' mean step times differ by 10%: one state" in capsys.readouterr().out
 
 
 def test_row_coverage_counts_the_baselines_tokens_in_the_rows(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
