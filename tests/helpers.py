@@ -197,6 +197,22 @@ def save_random_eagle(target: LoadedModel, folder: Any) -> Any:
     return folder
 
 
+def saved_eagle(target: LoadedModel, folder: Path, layout: str, layers: int = 2) -> Path:
+    """A random drafter of `layout`, its fc sharpened and every applied norm scale perturbed, saved as trained."""
+    from heads.eagle import EagleTrainable, EagleTrainModule
+
+    trainable = EagleTrainable(layers=layers, kept_vocab=0, save_dtype="fp32", layout=layout)
+    net = trainable.build(target, None).net
+    gen = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        net.fc.weight.mul_(8)
+        for name, p in net.named_parameters():
+            if p.requires_grad and p.dim() == 1 and "norm" in name:  # PassThroughNorms' weights are frozen
+                p.copy_(1 + 0.2 * torch.randn(p.shape, generator=gen))
+    trainable.save(EagleTrainModule(net), folder, {"steps": 0})
+    return folder
+
+
 # --------------------------------------------------------------------------------------------------
 # Published checkpoints written out by hand: the pieces the EAGLE-1 and EAGLE-3 references share
 # --------------------------------------------------------------------------------------------------

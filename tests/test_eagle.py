@@ -12,6 +12,7 @@ from helpers import (
     assert_draws_follow,
     assert_kv_matches_fresh,
     save_random_eagle,
+    saved_eagle,
     speculative_rounds,
     tiny_train_overrides,
 )
@@ -19,7 +20,7 @@ from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 
 from heads.draft_model import target_head
-from heads.eagle import EagleTrainable, EagleTrainModule, load_eagle
+from heads.eagle import EagleTrainable, load_eagle
 from heads.train import train
 from specdec.cli_checks import CONFIG_DIR, group_config
 from specdec.engine.kv_cache import KVCache
@@ -314,20 +315,6 @@ def test_eagle_runs_on_every_target_path(load_tiny: Any, tmp_path: Path, backend
 # --------------------------------------------------------------------------------------------------
 # head.layout=eagle1: EAGLE-1's published network (no norm on layer 0's input nor on the output)
 # --------------------------------------------------------------------------------------------------
-
-
-def saved_eagle(target: LoadedModel, folder: Path, layout: str, layers: int = 2) -> Path:
-    """A random drafter of `layout`, its fc sharpened and every applied norm scale perturbed, saved as trained."""
-    trainable = EagleTrainable(layers=layers, kept_vocab=0, save_dtype="fp32", layout=layout)
-    net = trainable.build(target, None).net
-    gen = torch.Generator().manual_seed(7)
-    with torch.no_grad():
-        net.fc.weight.mul_(8)
-        for name, p in net.named_parameters():
-            if p.requires_grad and p.dim() == 1 and "norm" in name:  # PassThroughNorms' weights are frozen
-                p.copy_(1 + 0.2 * torch.randn(p.shape, generator=gen))
-    trainable.save(EagleTrainModule(net), folder, {"steps": 0})
-    return folder
 
 
 @pytest.mark.parametrize("layout", ["specdec", "eagle1"])

@@ -23,7 +23,8 @@ cpu_kernels.matmul(x, cpu_kernels.pack(np.ones((64, 64), np.float32)), 64)
 """
 
 # A process that runs the compiled callers: the Medusa heads' per-node calls first, before anything calls
-# mm_into from Python (the order in which a caller broken in the cache crashed), then a fused decoder pass.
+# mm_into from Python (the order in which a caller broken in the cache crashed), then a fused decoder pass and
+# a drafter's one-call pass (cpu_drafter).
 CALLERS = """
 import sys
 import numpy as np
@@ -41,6 +42,9 @@ top_logprobs(x, panels, 64, tiles, 4)
 model = load_model("tiny", sys.argv[1], matmul="numba").model
 assert model.fused is not None
 StaticEngine(model, 64).forward(torch.arange(5))
+from specdec.models.cpu_drafter import DrafterPass
+model.embed = torch.nn.Embedding.from_pretrained(model.embed.weight)  # untied: a draft's own table
+DrafterPass(model)(np.arange(3), None, model.new_cache(8))
 print("ran")
 """
 

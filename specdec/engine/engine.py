@@ -22,6 +22,8 @@ from specdec.engine.sampling import host_read
 from specdec.engine.static_step import BUCKETS, StaticStep
 from specdec.engine.timing import clock
 from specdec.errors import SpecdecError
+from specdec.models.cpu_drafter import DrafterPass
+from specdec.models.cpu_layer import FUSED_ROWS
 
 
 @dataclass
@@ -44,6 +46,7 @@ class Engine(Protocol):
     def reset(self) -> None: ...
     def prefill(self, ids: list[int]) -> ForwardOut: ...
     def forward(self, tokens: Tensor, depth: Tensor | None = None, mask: Tensor | None = None) -> ForwardOut: ...
+    def next_logits(self, tokens: Tensor) -> Tensor: ...
     def rollback(self, length: int) -> None: ...
     def compact(self, start: int, keep: list[int]) -> None: ...
 
@@ -147,6 +150,7 @@ class StaticEngine:
         else:
             self.cache = model.new_cache(max_len)
         self._arange = torch.arange(max_len, device=self.device)
+        self._kernel: DrafterPass | None = None
         self.held: HeldTokens | None = None
         self.prefilled = 0
         self.taps: tuple[int, ...] = ()
@@ -215,6 +219,28 @@ class StaticEngine:
             return ForwardOut(logits, h, taps)
         pos = self._arange[n:n + len(tokens)] if depth is None else n + depth.to(self.device)
         return self._run(tokens, pos, mask)
+
+    @torch.inference_mode()
+    def next_logits(self, tokens: Tensor) -> Tensor:
+        """Feed a chain of tokens (T,) like `forward` and return the last one's logits (V,) alone: what a
+        drafter reads. A model the CPU kernels run whole (models/cpu_drafter.py) does it as one compiled call,
+        bitwise `forward(tokens).logits[-1]`, without the other rows' head products."""
+        kernel = self._drafter_pass()
+        if kernel is None or self.taps or len(tokens) > FUSED_ROWS:
+            return self.forward(tokens).logits[-1]
+        n = self.length
+        logits, h = kernel(tokens.numpy(), None, self.cache)
+        if self.held is not None:
+            self.held.write(n, tokens, h)
+        return logits
+
+    def _drafter_pass(self) -> DrafterPass | None:
+        fused = getattr(self.model, "fused", None)
+        if self.static is not None or fused is None:
+            return None
+        if self._kernel is None or self._kernel.stack is not fused:  # built once per fused stack
+            self._kernel = DrafterPass(self.model) if DrafterPass.fits(self.model) else None
+        return self._kernel
 
     def _run(self, tokens: Tensor, positions: Tensor, mask: Tensor | None, logits_from: int = 0) -> ForwardOut:
         n = self.length
@@ -305,6 +331,9 @@ class HFEngine:
             self.held.write(self.length, tokens, hidden, taps)
         self.length += len(tokens)
         return ForwardOut(out.logits[0].float(), hidden, taps)
+
+    def next_logits(self, tokens: Tensor) -> Tensor:
+        return self.forward(tokens).logits[-1]
 
     def rollback(self, length: int) -> None:
         if not 0 <= length <= self.length:

@@ -271,12 +271,12 @@ class DraftProposer:
 
         def feed(tokens: list[int] | Tensor) -> Tensor:
             if isinstance(tokens, Tensor):  # a token drafted on the device: its id is learnt at commit
-                out = engine.forward(tokens)
+                logits = engine.next_logits(tokens)
                 self.fed += [UNREAD] * len(tokens)
             else:
-                out = engine.forward(torch.tensor(tokens, device=_device(engine)))
+                logits = engine.next_logits(torch.tensor(tokens, device=_device(engine)))
                 self.fed += tokens
-            return out.logits[-1]
+            return logits
 
         return self.round.draft(feed(state.ids[len(self.fed):]),
                                 lambda tok: feed(tok if isinstance(tok, Tensor) else [tok]), k_max, state, t0)

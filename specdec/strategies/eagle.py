@@ -17,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -25,6 +26,8 @@ from specdec.engine.engine import ForwardOut
 from specdec.engine.kv_cache import KVCache
 from specdec.engine.static_step import BUCKETS, StaticStep
 from specdec.errors import SpecdecError
+from specdec.models.cpu_drafter import DrafterPass
+from specdec.models.cpu_layer import FUSED_ROWS
 from specdec.strategies.base import DecodeState, Proposer, SpeculativeStrategy
 from specdec.strategies.draft import ChainRound
 from specdec.strategies.schedules import Confidence, DraftSchedule
@@ -61,6 +64,7 @@ class EagleProposer:
     fed: int = 0  # pairs in the cache built on the target's real features
     pending: Tensor | None = None  # (n, D) target features of pairs fed.. not yet in the cache
     static: StaticStep | None = None  # the drafter's compiled static-shape step, when the target compiles
+    kernel: DrafterPass | None = None  # the drafter's pass as one call, when it runs on the CPU kernels
 
     def features(self, out: ForwardOut) -> Tensor:
         """What the drafter reads of a target pass, a row per fed token: the tapped layers' inputs for an
@@ -78,6 +82,10 @@ class EagleProposer:
     def _run(self, tokens: list[int] | Tensor, features: Tensor, start: int) -> tuple[Tensor, Tensor]:
         """Feed pairs at positions start..; the last one's logits (K,) and guessed next feature (D,).
         tokens: host ids, or ids drafted on the device (1,)."""
+        if self.kernel is not None and len(tokens) <= FUSED_ROWS:
+            ids = tokens.numpy() if isinstance(tokens, Tensor) else np.array(tokens, dtype=np.int64)
+            logits, guess = self.kernel(ids, features.float().numpy(), self.cache)
+            return logits, guess[-1]
         device = self.net.device
         ids = tokens.to(device) if isinstance(tokens, Tensor) else torch.tensor(tokens, device=device)  # (n,)
         n = len(ids)
@@ -140,6 +148,8 @@ class EagleStrategy(SpeculativeStrategy):
             widths = [self.net.args.dim] + ([self.net.fc.in_features] if layers else [])  # type: ignore[attr-defined]
             for width in widths:
                 self.static.warm_up(features=torch.zeros(width, device=self.net.device))
+        # on the CPU kernels the drafter's pass runs as one compiled call (models/cpu_drafter.py), bitwise the same
+        self.kernel = DrafterPass(self.net) if DrafterPass.fits(self.net) else None  # type: ignore[arg-type]
         self.schedule = schedule if schedule is not None else Confidence(0.4, 3)
         self.schedule.calibrate(self.engine)
         self.last_proposer: EagleProposer | None = None
@@ -168,5 +178,5 @@ class EagleStrategy(SpeculativeStrategy):
         self.last_proposer = EagleProposer(
             self.net, self.cache, ChainRound(self.schedule, self.net.token_ids, self.target.vocab_size,
                                                device=self.engine.device),
-            static=self.static)
+            static=self.static, kernel=self.kernel)
         return self.last_proposer
