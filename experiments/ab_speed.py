@@ -5,8 +5,11 @@ over questions (`specdec.metrics.speedup_ci`). A benchmark: run it on an idle ma
     python experiments/ab_speed.py compile --limit 6 --tokens 64 --reps 2
     # the same specdec.run in two source trees (e.g. a commit before a change), runs alternating
     python experiments/ab_speed.py trees OLD_DIR NEW_DIR --reps 3 -- strategy=greedy data.limit=6 ...
+    # a shipped drafter's strategy (strategy/NAME.yaml) with its pass as one compiled call against the module
+    # path (models/cpu_drafter.py), in one process, turn by turn, order alternating; questions from a jsonl file
+    python experiments/ab_speed.py drafter eagle --data experiments/heldapart/human_heldapart.jsonl --limit 24
 
-Prints B's tokens/s over A's (A: eager / OLD_DIR) and each side's tokens/s.
+Prints B's tokens/s over A's (A: eager / OLD_DIR / the module path) and each side's tokens/s.
 """
 
 from __future__ import annotations
@@ -68,6 +71,44 @@ def compile_ab(limit: int, tokens: int, reps: int) -> None:
     _report(rows["eager"], rows["compiled"], ("eager", "compiled"))
 
 
+def drafter_ab(name: str, data: str, limit: int, tokens: int, reps: int) -> None:
+    from omegaconf import OmegaConf
+
+    from specdec.cli_checks import group_config
+    from specdec.data import load_jsonl
+    from specdec.models.loader import load_model
+    from specdec.run import build
+    from specdec.strategies.base import GenerationParams
+
+    target = load_model("smollm2-135m", "builtin:smollm2-135m", matmul="numba")
+    cfg = OmegaConf.merge(OmegaConf.create({"model": {"name": "smollm2-135m"}}),
+                          {"strategy": group_config("strategy", name)})
+    sides = {side: build(cfg.strategy)(target=target, max_len=2048, prefill_chunk=512)
+             for side in ("module", "one call")}
+    module = sides["module"]
+    if hasattr(module, "kernel"):  # EAGLE's proposer: its drafter's modules
+        module.kernel = None
+    else:  # a draft's engine: forward's last row
+        module.drafter.engine.next_logits = lambda t, e=module.drafter.engine: e.forward(t).logits[-1]
+    params = GenerationParams(max_new_tokens=tokens)
+    prompts = [(q.question_id, target.chat_ids([{"role": "user", "content": q.turns[0]}]))
+               for q in load_jsonl(data)[:limit]]
+    for s in sides.values():  # warm-up: compilation, first-call paths, the schedules' start-up timing
+        s.generate(prompts[0][1], params, 0)
+    rows: dict[str, list[dict[str, Any]]] = {side: [] for side in sides}
+    for rep in range(reps):
+        for i, (qid, prompt) in enumerate(prompts):
+            order = list(sides) if (i + rep) % 2 == 0 else list(sides)[::-1]
+            outs = {}
+            for side in order:
+                res = sides[side].generate(prompt, params, 0)
+                outs[side] = res.output_ids
+                rows[side].append({"question_id": f"{qid}/{rep}", "new_tokens": len(res.output_ids),
+                                   "wall_time_s": res.wall_time_s, "ttft_s": res.ttft_s})
+            print(f"rep {rep} {qid}: same tokens {outs['module'] == outs['one call']}", flush=True)
+    _report(rows["module"], rows["one call"], (f"{name}, module path", f"{name}, one call"))
+
+
 def trees_ab(old: Path, new: Path, reps: int, overrides: list[str]) -> None:
     rows: dict[str, list[dict[str, Any]]] = {"old": [], "new": []}
     with tempfile.TemporaryDirectory() as tmp:
@@ -96,9 +137,17 @@ def main() -> None:
     t.add_argument("old", type=Path)
     t.add_argument("new", type=Path)
     t.add_argument("--reps", type=int, default=3)
+    d = sub.add_parser("drafter")
+    d.add_argument("strategy")
+    d.add_argument("--data", default="experiments/heldapart/human_heldapart.jsonl")
+    d.add_argument("--limit", type=int, default=24)
+    d.add_argument("--tokens", type=int, default=128)
+    d.add_argument("--reps", type=int, default=1)
     a, overrides = p.parse_known_args()  # after `--`: specdec.run's overrides
     if a.mode == "compile":
         compile_ab(a.limit, a.tokens, a.reps)
+    elif a.mode == "drafter":
+        drafter_ab(a.strategy, a.data, a.limit, a.tokens, a.reps)
     else:
         trees_ab(a.old.resolve(), a.new.resolve(), a.reps, [o for o in overrides if o != "--"])
 
