@@ -20,6 +20,7 @@ from specdec.models.cpu_drafter import DrafterPass
 from specdec.strategies.base import GenerationParams
 from specdec.strategies.draft import DraftStrategy
 from specdec.strategies.eagle import EagleStrategy
+from specdec.strategies.eagle_tree import Eagle2
 from specdec.strategies.greedy import Greedy
 from specdec.strategies.schedules import FixedLength
 
@@ -55,8 +56,36 @@ def test_eagle_drafter_pass_is_the_module_pass_bitwise(load_tiny: Any, tmp_path:
             want_logits, want_h = net(tokens[None, a:b], feats[None, a:b], torch.arange(a, b)[None], ref,
                                       ref.attention_mask(None, n), logits_from=n - 1)
         logits, h = kernel(tokens[a:b].numpy(), feats[a:b].numpy(), cache)
-        assert torch.equal(logits, want_logits[0, -1]) and torch.equal(h, want_h[0])
+        assert logits.shape[0] == 1 and torch.equal(logits[0], want_logits[0, -1]) and torch.equal(h, want_h[0])
         same_cache(cache, ref)
+
+
+def test_eagle_drafter_pass_takes_a_tree_mask_bitwise(load_tiny: Any, tmp_path: Path) -> None:
+    """An EAGLE-2 expansion pass: rows at one position, each seeing the prefix, one earlier tree slot and itself,
+    with every row's logits: bitwise the module path with the same mask and positions."""
+    target = load_tiny("llama", matmul="numba")
+    net = load_eagle(str(saved_eagle(load_tiny("llama"), tmp_path, "specdec")), weights="int8").bind(target)
+    kernel = DrafterPass(net)
+    gen = torch.Generator().manual_seed(5)
+    tokens = torch.randint(0, target.vocab_size, (10,), generator=gen)
+    feats = torch.randn(10, target.hidden_size, generator=gen)
+    ref, cache = net.new_cache(64), net.new_cache(64)
+    with torch.no_grad():
+        net(tokens[None, :7], feats[None, :7], torch.arange(7)[None], ref, ref.attention_mask(None, 7))
+    kernel(tokens[:7].numpy(), feats[:7].numpy(), cache)
+    mask = np.zeros((3, 10), dtype=np.bool_)
+    mask[:, :5] = True  # the real prefix; slots 5 and 6 are the tree's first depth
+    mask[0, 5] = mask[1, 5] = mask[2, 6] = True
+    mask[np.arange(3), 7 + np.arange(3)] = True
+    positions = np.full(3, 6)
+    with torch.no_grad():
+        want_logits, want_h = net(tokens[None, 7:], feats[None, 7:], torch.from_numpy(positions)[None], ref,
+                                  torch.from_numpy(mask)[None, None])
+    logits, h = kernel(tokens[7:].numpy(), feats[7:].numpy(), cache, mask, positions, 0)
+    assert torch.equal(logits, want_logits[0]) and torch.equal(h, want_h[0])
+    same_cache(cache, ref)
+    with pytest.raises(ValueError, match="mask of shape"):
+        kernel(tokens[:2].numpy(), feats[:2].numpy(), cache, mask)
 
 
 def trained_draft(target: Any) -> Any:
@@ -87,19 +116,22 @@ def test_draft_engine_next_logits_is_forwards_last_row(load_tiny: Any, tmp_path:
         got = fast.next_logits(ids[a:b])
         assert torch.equal(got, want)
         same_cache(fast.cache, ref.cache)
-        assert torch.equal(fast.held.ids, ref.held.ids) and torch.equal(fast.held.hidden, ref.held.hidden)
+        n = fast.length  # held slots past the length are stale (and never allocated as zeros)
+        assert torch.equal(fast.held.ids[:n], ref.held.ids[:n]) and torch.equal(fast.held.hidden[:n],
+                                                                                ref.held.hidden[:n])
 
 
 def test_strategies_on_the_cpu_kernels_call_the_drafter_pass(load_tiny: Any, tmp_path: Path,
                                                              monkeypatch: pytest.MonkeyPatch) -> None:
-    """EAGLE's proposer and a trained draft's engine take the one-call path on the CPU kernels, and stay lossless."""
+    """EAGLE's and EAGLE-2's proposers and a trained draft's engine take the one-call path on the CPU kernels, and
+    stay lossless."""
     from heads.draft_model import load_draft
 
     calls = []
     original = DrafterPass.__call__
 
     def counted(self: DrafterPass, *args: Any) -> Any:
-        calls.append(self)
+        calls.append(len(args) > 3 and args[3] is not None)  # whether it was given a tree mask
         return original(self, *args)
 
     monkeypatch.setattr(DrafterPass, "__call__", counted)
@@ -109,8 +141,10 @@ def test_strategies_on_the_cpu_kernels_call_the_drafter_pass(load_tiny: Any, tmp
     eagle = EagleStrategy(target, "eagle", load_eagle(str(saved_eagle(reference, tmp_path / "eagle", "specdec"))),
                           FixedLength(3), 256, 64)
     draft = DraftStrategy(target, "draft", load_draft(str(tmp_path / "draft")), FixedLength(3), 256, 64)
-    assert eagle.kernel is not None
-    for strategy in (eagle, draft):
+    eagle2 = Eagle2(target, "eagle2", load_eagle(str(tmp_path / "eagle")), depth=3, topk=2, nodes=5, max_len=256,
+                    prefill_chunk=64)
+    assert eagle.kernel is not None and eagle2.kernel is not None
+    for strategy in (eagle, draft, eagle2):
         calls.clear()
         for seed in (3, 4):
             prompt = torch.randint(3, 200, (12,), generator=torch.Generator().manual_seed(seed)).tolist()
@@ -118,6 +152,7 @@ def test_strategies_on_the_cpu_kernels_call_the_drafter_pass(load_tiny: Any, tmp
             res = strategy.generate(prompt, GenerationParams(30), 0)
             assert res.output_ids == want and res.proposed > 0
         assert len(calls) > 10, strategy.name
+        assert any(calls) == (strategy is eagle2)  # EAGLE-2's expansions too
 
 
 def test_drafter_pass_refuses_what_it_cannot_run(load_tiny: Any, tmp_path: Path) -> None:

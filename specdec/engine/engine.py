@@ -232,7 +232,7 @@ class StaticEngine:
         logits, h = kernel(tokens.numpy(), None, self.cache)
         if self.held is not None:
             self.held.write(n, tokens, h)
-        return logits
+        return logits[-1]
 
     def _drafter_pass(self) -> DrafterPass | None:
         fused = getattr(self.model, "fused", None)

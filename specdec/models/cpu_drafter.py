@@ -33,12 +33,13 @@ if cpu_kernels.available():
     def drafter_pass(tokens, features, embed, use_fc, fc_panels, fc_bias, fc_tiles,  # pragma: no cover - compiled
                      rope, keys, values, key_panels, value_panels, segment, mask, use_mask,
                      attn_normed, attn_norms, wqkv, bqkv, bo, wo, mlp_norms, w_gate_up, w_down, final_normed, norm,
-                     eps, n_heads, n_kv, head_dim, hidden, tiles, att_tiles, head_panels, head_tiles, n_out):
-        """tokens (n,) int64 -> the last row's logits (n_out,) and the hidden states (n, dim).
+                     eps, n_heads, n_kv, head_dim, hidden, tiles, att_tiles, head_panels, head_tiles, n_out,
+                     logits_from):
+        """tokens (n,) int64 -> logits of rows logits_from.. (n - logits_from, n_out) and the hidden states (n, dim).
 
         The layers' input is embed[tokens] (n, dim), or with use_fc fc([embed[tokens]; features]) (EAGLE's pair
         input; features (n, dim)). The layers, K/V writes and final norm are FusedStack's (`segment`, `mask` as
-        in layer_forward); the head reads the last row only. Layers run one `layer_forward` call each, as
+        in layer_forward); the head reads rows logits_from.. only. Layers run one `layer_forward` call each, as
         `stack_forward` runs them (not stack_forward itself: a cached caller must compile the parallel
         products with itself, see cpu_kernels.mm_into_nested)."""
         n, dim = tokens.shape[0], embed.shape[1]
@@ -66,9 +67,9 @@ if cpu_kernels.available():
             out = np.empty_like(x)
             _rms_norm(x, norm, eps, out)
             x = out
-        logits = np.empty((1, head_panels.shape[0] * head_panels.shape[2]), dtype=np.float32)
-        mm_into(x[n - 1:n], head_panels, logits, head_tiles)
-        return logits[0, :n_out], x
+        logits = np.empty((n - logits_from, head_panels.shape[0] * head_panels.shape[2]), dtype=np.float32)
+        mm_into(x[logits_from:], head_panels, logits, head_tiles)
+        return logits[:, :n_out], x
 
 
 class DrafterPass:
@@ -108,10 +109,16 @@ class DrafterPass:
                 and (fc is None or (isinstance(fc, NumbaLinear) and fc.in_features == 2 * fc.out_features
                                     and fc.out_features == embed.weight.shape[1])))
 
-    def __call__(self, tokens: np.ndarray, features: np.ndarray | None, cache: KVCache) -> tuple[Tensor, Tensor]:
-        """tokens (n,) int64 at the cache's next n positions (a chain: each sees the ones before it), with their
-        pairs' features (n, dim) float32 when the model has an fc -> the last token's logits (n_out,) and the
-        hidden states (n, dim); the cache advances by n, as the module's forward advances it."""
+    def __call__(self, tokens: np.ndarray, features: np.ndarray | None, cache: KVCache,
+                 mask: np.ndarray | None = None, positions: np.ndarray | None = None,
+                 logits_from: int | None = None) -> tuple[Tensor, Tensor]:
+        """tokens (n,) int64 at the cache's next n slots, with their pairs' features (n, dim) float32 when the model
+        has an fc -> logits (n - logits_from, n_out) of rows logits_from.. (default: the last row alone) and the
+        hidden states (n, dim); the cache advances by n, as the module's forward advances it.
+
+        mask (n, S) bool, S = cached + n: which slots each row sees (default: a chain, each row the cache and the
+        rows before it); positions (n,): rope's (default: the slots themselves). A tree's rows (EAGLE-2's
+        expansion) give both."""
         n, start = len(tokens), cache.lengths[0]
         if cache.batch != 1 or not 1 <= n <= FUSED_ROWS:
             raise ValueError(f"DrafterPass takes 1..{FUSED_ROWS} tokens of one sequence, not {n} of {cache.batch}")
@@ -119,20 +126,27 @@ class DrafterPass:
             raise IndexError(f"token id out of range for an embedding of {len(self.embed)} rows")
         if self.use_fc and (features is None or features.shape != (n, self.embed.shape[1])):
             raise ValueError(f"features: expected ({n}, {self.embed.shape[1]}) beside the tokens")
+        if mask is not None and mask.shape != (n, start + n):
+            raise ValueError(f"mask of shape {mask.shape}: expected ({n}, {start + n})")
+        logits_from = n - 1 if logits_from is None else logits_from
+        if not 0 <= logits_from < n:
+            raise ValueError(f"logits_from={logits_from}: expected 0..{n - 1}")
         cache.reserve(n)  # refuses an overflow
         st = self.stack
         if cache.key_panels is None or cache.value_panels is None:
             cache.keep_panels(st.att_panel)
-        use_mask = n > 1
-        mask = np.tri(n, start + n, start, dtype=np.bool_) if use_mask else st._all_visible  # causal over the new rows
-        rope = st.rope(self.model, np.arange(start, start + n))
+        use_mask = n > 1 or mask is not None
+        if mask is None:  # causal over the new rows
+            mask = np.tri(n, start + n, start, dtype=np.bool_) if use_mask else st._all_visible
+        rope = st.rope(self.model, np.arange(start, start + n) if positions is None else positions)
         segment = np.array([[0, start, 0, n]], dtype=np.int64)
         feats = np.ascontiguousarray(features, dtype=np.float32) if self.use_fc else self._no_features
         logits, h = drafter_pass(
             np.ascontiguousarray(tokens, dtype=np.int64), feats, self.embed, self.use_fc, self.fc_panels, self.fc_bias,
             self.fc_tiles, rope, cache.k.numpy(), cache.v.numpy(), cache.key_panels.numpy(), cache.value_panels.numpy(),
-            segment, mask, use_mask, st.attn_normed, st.attn_norms, st.wqkv, st.bqkv, st.bo, st.wo, st.mlp_norms,
-            st.w_gate_up, st.w_down, st.final_normed, st.norm, st.norm_eps, st.n_heads, st.n_kv, st.head_dim,
-            st.hidden, st.tiles, st.att_tiles, self.head_panels, self.head_tiles, self.n_out)
+            segment, np.ascontiguousarray(mask, dtype=np.bool_), use_mask, st.attn_normed, st.attn_norms, st.wqkv,
+            st.bqkv, st.bo, st.wo, st.mlp_norms, st.w_gate_up, st.w_down, st.final_normed, st.norm, st.norm_eps,
+            st.n_heads, st.n_kv, st.head_dim, st.hidden, st.tiles, st.att_tiles, self.head_panels, self.head_tiles,
+            self.n_out, logits_from)
         cache.advance(n)
         return torch.from_numpy(logits), torch.from_numpy(h)

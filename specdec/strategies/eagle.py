@@ -85,7 +85,7 @@ class EagleProposer:
         if self.kernel is not None and len(tokens) <= FUSED_ROWS:
             ids = tokens.numpy() if isinstance(tokens, Tensor) else np.array(tokens, dtype=np.int64)
             logits, guess = self.kernel(ids, features.float().numpy(), self.cache)
-            return logits, guess[-1]
+            return logits[-1], guess[-1]
         device = self.net.device
         ids = tokens.to(device) if isinstance(tokens, Tensor) else torch.tensor(tokens, device=device)  # (n,)
         n = len(ids)

@@ -23,7 +23,8 @@ draws, so verification uses the exact rule for deterministic candidates (`specde
 recursive rejection over siblings, the target's distribution preserved).
 
 Adaptive, so not device-resident: each depth's scores and tokens are read on the host once (one read
-per drafter pass), and the expansion passes run eager, since their mask spans the drafter's cache.
+per drafter pass), and the expansion passes run eager, since their mask spans the drafter's cache. On the CPU
+kernels each drafter pass, catch-up or expansion, is one compiled call (models/cpu_drafter.py).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -40,6 +42,7 @@ from specdec.engine.kv_cache import KVCache
 from specdec.engine.static_step import BUCKETS, StaticStep
 from specdec.engine.timing import clock
 from specdec.errors import SpecdecError
+from specdec.models.cpu_drafter import DrafterPass
 from specdec.ngram import as_tokens
 from specdec.strategies.base import DecodeState, Proposer
 from specdec.strategies.eagle import EagleDraftNet, EagleProposer, EagleStrategy, TrainedEagle
@@ -110,8 +113,9 @@ class EagleTreeProposer(EagleProposer):
 
     def __init__(self, net: EagleDraftNet, cache: KVCache, depth: int, topk: int, nodes: int,
                  room: Callable[[], int], costs: list[float] | None, static: StaticStep | None = None,
-                 grow: str = "all", observed: Observed | None = None, run_costs: RunCosts | None = None) -> None:
-        super().__init__(net, cache, _NO_ROUND, static=static)  # type: ignore[arg-type]
+                 grow: str = "all", observed: Observed | None = None, run_costs: RunCosts | None = None,
+                 kernel: DrafterPass | None = None) -> None:
+        super().__init__(net, cache, _NO_ROUND, static=static, kernel=kernel)  # type: ignore[arg-type]
         self.depth, self.topk, self.nodes, self.costs, self.grow = depth, topk, nodes, costs, grow
         self.observed = observed  # None: path probabilities at face value
         self.run_costs = run_costs  # None: the start-up curve `costs` throughout
@@ -139,22 +143,28 @@ class EagleTreeProposer(EagleProposer):
         device, n = self.net.device, len(frontier)
         length = self.cache.lengths[0]
         # built on the host, where the tree is known, and moved in one copy (no kernel per element)
-        mask = torch.zeros(1, 1, n, length + n, dtype=torch.bool)
-        mask[0, 0, :, :prefix] = True
+        mask = np.zeros((n, length + n), dtype=np.bool_)
+        mask[:, :prefix] = True
         for i, node in enumerate(frontier):
             a = node.parent
             while a >= 0:
-                mask[0, 0, i, tree[a].slot] = True  # type: ignore[index]
+                mask[i, tree[a].slot] = True  # type: ignore[index]
                 a = tree[a].parent
-            mask[0, 0, i, length + i] = True
-        mask = mask.to(device)
-        tokens = torch.tensor([node.token for node in frontier], device=device)[None]  # (1, n)
-        features = torch.stack([self._parent_feature(node, tree) for node in frontier])[None]  # (1, n, D)
-        positions = torch.full((1, n), start + frontier[0].depth - 1, device=device)
-        logits, guess = self.net(tokens, features, positions, self.cache, mask)
+            mask[i, length + i] = True
+        features = torch.stack([self._parent_feature(node, tree) for node in frontier])  # (n, D)
+        position = start + frontier[0].depth - 1
+        if self.kernel is not None:  # the CPU kernels' one call (models/cpu_drafter.py)
+            tokens = np.array([node.token for node in frontier], dtype=np.int64)
+            logits, guess = self.kernel(tokens, features.float().numpy(), self.cache, mask, np.full(n, position), 0)
+        else:
+            tokens = torch.tensor([node.token for node in frontier], device=device)[None]  # (1, n)
+            positions = torch.full((1, n), position, device=device)
+            logits, guess = self.net(tokens, features[None], positions, self.cache,
+                                     torch.from_numpy(mask)[None, None].to(device))
+            logits, guess = logits[0], guess[0]
         for i, node in enumerate(frontier):
-            node.slot, node.feature = length + i, guess[0, i]
-        return logits[0]
+            node.slot, node.feature = length + i, guess[i]
+        return logits
 
     def _parent_feature(self, node: Node, tree: list[Node]) -> Tensor:
         feature = self.root_feature if node.parent < 0 else tree[node.parent].feature
@@ -273,5 +283,5 @@ class Eagle2(EagleStrategy):
         room = lambda: self.engine.max_len - self.engine.length - 1  # noqa: E731
         self.last_proposer = EagleTreeProposer(self.net, self.cache, self.depth, self.topk, self.nodes, room,
                                                self.costs, static=self.static, grow=self.grow,
-                                               observed=self.observed, run_costs=self.run_costs)
+                                               observed=self.observed, run_costs=self.run_costs, kernel=self.kernel)
         return self.last_proposer
