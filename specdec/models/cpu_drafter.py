@@ -1,14 +1,15 @@
 """A drafter's whole pass, token ids to logits, as one compiled call on the CPU kernels.
 
-Why: one EAGLE drafter step on SmolLM2-135M (int8 weights) took about 0.47 ms, of which about 0.23 ms was
-compiled work (its fc, its fused layer, its head) and the rest Python around it: module calls, the fused
-stack's checks and conversions, two product calls (`python experiments/drafter_step.py`). Here the embedding
-lookup, EAGLE's fc over [embed(x); h] where the drafter has one, every layer, the final norm and the head over
-the last row run in one call, through the same kernels in the same order, so the logits, the hidden states
-and the cache are bitwise those of the module path (tests/test_cpu_drafter.py).
+Why: about half of an EAGLE drafter step on SmolLM2-135M went to Python around its compiled work (module calls,
+the fused stack's checks and conversions, two product calls from Python; experiments/README.md, "A drafter's step
+as one compiled call"). Here the embedding lookup, EAGLE's fc over [embed(x); h] where the drafter has one, every
+layer, the final norm and the head over the rows asked for run in one call, through the same kernels in the same
+order, so the logits, the hidden states and the cache are bitwise those of the module path
+(tests/test_cpu_drafter.py).
 
-Used by the EAGLE proposer (strategies/eagle.py) when its drafter runs on the fused stack; any other drafter,
-device or weight layout keeps the module path.
+Used on the fused stack by EAGLE's and EAGLE-2's proposers (strategies/eagle.py, eagle_tree.py: catch-up, chain
+steps, tree expansions) and by a trained draft's engine (`StaticEngine.next_logits`). Targets (whose tied embedding
+is read from the head's panels), other devices, compiled and tapped models keep the module path.
 """
 
 from __future__ import annotations
