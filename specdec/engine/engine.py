@@ -151,6 +151,7 @@ class StaticEngine:
             self.cache = model.new_cache(max_len)
         self._arange = torch.arange(max_len, device=self.device)
         self._kernel: DrafterPass | None = None
+        self._kernel_of: object = None  # the fused stack `_kernel` was decided for
         self.held: HeldTokens | None = None
         self.prefilled = 0
         self.taps: tuple[int, ...] = ()
@@ -238,8 +239,9 @@ class StaticEngine:
         fused = getattr(self.model, "fused", None)
         if self.static is not None or fused is None:
             return None
-        if self._kernel is None or self._kernel.stack is not fused:  # built once per fused stack
+        if self._kernel_of is not fused:  # checked and built once per fused stack, not per step
             self._kernel = DrafterPass(self.model) if DrafterPass.fits(self.model) else None
+            self._kernel_of = fused
         return self._kernel
 
     def _run(self, tokens: Tensor, positions: Tensor, mask: Tensor | None, logits_from: int = 0) -> ForwardOut:
