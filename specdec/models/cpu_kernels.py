@@ -93,14 +93,15 @@ def host_isa() -> Isa:
     return Isa(width, 2, rows, llvm.get_host_cpu_name(), features.flatten())
 
 
-def tile_ir(rows: int, isa: Isa, kind: str = "fp32") -> str:
+def tile_ir(rows: int, isa: Isa, kind: str = "fp32", prefetch: int = PREFETCH_BYTES) -> str:
     """LLVM IR of `tile{rows}(x, ldx, panels, y, ldy, K, p0, p1)`: y[m, p*NB:(p+1)*NB] = x[m] @ panel p
     for m < rows and panels p0..p1-1. The accumulators are SSA values, so LLVM keeps them in registers.
 
     `kind="bf16"`: `tile{rows}_bf16` reads panels of bfloat16 weights (the top half of a float32's bits),
     half the bytes to stream, and widens each to float32 exactly (a shift) before the same fma chain.
     `kind="int8"`: `tile{rows}_int8` reads int8 weights (exact as floats), a quarter of the bytes, and
-    multiplies each finished sum by its column's scale, stored after the panel's K rows."""
+    multiplies each finished sum by its column's scale, stored after the panel's K rows.
+    `prefetch`: how many bytes ahead of its loads the kernel prefetches."""
     W, V, NB = isa.width, isa.vectors, isa.panel
     vt = f"<{W} x float>"
     et, esize = {"fp32": ("float", 4), "bf16": ("i16", 2), "int8": ("i8", 1)}[kind]
@@ -140,7 +141,7 @@ def tile_ir(rows: int, isa: Isa, kind: str = "fp32") -> str:
             body += [f"  %w{j} = load {vt}, ptr %wp{j}, align 4"]
     for line in range(max(1, NB * esize // 64)):  # one prefetch per 64-byte line of this step's loads, a few KB ahead
         # (no inbounds: near the end this points past the panels, and a prefetch never faults)
-        body += [f"  %fo{line} = add i64 %woff, {(PREFETCH_BYTES + line * 64) // esize}",
+        body += [f"  %fo{line} = add i64 %woff, {(prefetch + line * 64) // esize}",
                  f"  %fp{line} = getelementptr {et}, ptr %w, i64 %fo{line}",
                  f"  call void @llvm.prefetch.p0(ptr %fp{line}, i32 0, i32 3, i32 1)"]
     for m in range(rows):
@@ -189,12 +190,12 @@ class TileKernels:
     """The 1..isa.rows-row tile kernels compiled for `isa`; `by_kind[kind][r - 1]` is the address of the
     r-row kernel over panels of that kind (`addresses`: float32, `addresses_bf16`, `addresses_int8`)."""
 
-    def __init__(self, isa: Isa) -> None:
+    def __init__(self, isa: Isa, prefetch: int = PREFETCH_BYTES) -> None:
         W = isa.width
         source = "\n".join([
             "declare void @llvm.prefetch.p0(ptr, i32, i32, i32)",
             f"declare <{W} x float> @llvm.fma.v{W}f32(<{W} x float>, <{W} x float>, <{W} x float>)",
-            *(tile_ir(r, isa, kind) for kind in KINDS for r in range(1, isa.rows + 1))])
+            *(tile_ir(r, isa, kind, prefetch) for kind in KINDS for r in range(1, isa.rows + 1))])
         module = llvm.parse_assembly(source)
         module.verify()
         machine = llvm.Target.from_default_triple().create_target_machine(cpu=isa.cpu, features=isa.features, opt=3)
