@@ -8,7 +8,8 @@ registers and prefetch PREFETCH_BYTES ahead. Each variant here is compiled besid
 Every variant computes each output as the same in-order fma chain, so all give the same bits (checked first).
 
 A round times, for each row count and each variant, SmolLM2-135M's four products (qkv, o, gate/up, down) over its
-30 layers as one compiled loop over the fused stack's own panels, interleaved. Rounds are split by the host's
+30 layers as one compiled loop over the fused stack's own panels, interleaved, the variants' order rotating from
+round to round. Rounds are split by the host's
 state as pass_parts.py splits them (the shipped kernels' one-row time; Otsu), and each cell gives the median time
 and the median per-round ratio to the shipped kernels. A benchmark: run it on an idle machine.
 """
@@ -90,9 +91,11 @@ def main() -> None:
             if not np.array_equal(calls[name, m](), ref):
                 raise SystemExit(f"variant {name} differs from the shipped kernels at {m} rows")
     times: dict[tuple[str, int], list[float]] = {key: [] for key in calls}
+    names = list(tiles)
     for r in range(rounds + 3):  # 3 warm-up rounds
         for m in ROWS:
-            for name in tiles:
+            for i in range(len(names)):  # the order rotates each round: the first call of a row count ran slower
+                name = names[(i + r) % len(names)]
                 start = time.perf_counter()
                 calls[name, m]()
                 if r >= 3:
