@@ -155,6 +155,17 @@ def test_strategies_on_the_cpu_kernels_call_the_drafter_pass(load_tiny: Any, tmp
         assert any(calls) == (strategy is eagle2)  # EAGLE-2's expansions too
 
 
+def test_eagle2_expands_more_nodes_than_one_call_takes(load_tiny: Any, tmp_path: Path) -> None:
+    """A depth's frontier past FUSED_ROWS nodes (topk > 64) goes through the module path and stays lossless."""
+    target, reference = load_tiny("llama", matmul="numba"), load_tiny("llama")
+    eagle2 = Eagle2(target, "eagle2", load_eagle(str(saved_eagle(reference, tmp_path / "eagle", "specdec"))),
+                    depth=2, topk=70, nodes=8, max_len=512, prefill_chunk=64)
+    assert eagle2.kernel is not None
+    prompt = torch.randint(3, 200, (12,), generator=torch.Generator().manual_seed(5)).tolist()
+    want = Greedy(reference, "greedy", 512, 64).generate(prompt, GenerationParams(12), 0).output_ids
+    assert eagle2.generate(prompt, GenerationParams(12), 0).output_ids == want
+
+
 def test_drafter_pass_refuses_what_it_cannot_run(load_tiny: Any, tmp_path: Path) -> None:
     target = load_tiny("llama", matmul="numba")
     net = load_eagle(str(saved_eagle(load_tiny("llama"), tmp_path, "specdec"))).bind(target)

@@ -43,6 +43,7 @@ from specdec.engine.static_step import BUCKETS, StaticStep
 from specdec.engine.timing import clock
 from specdec.errors import SpecdecError
 from specdec.models.cpu_drafter import DrafterPass
+from specdec.models.cpu_layer import FUSED_ROWS
 from specdec.ngram import as_tokens
 from specdec.strategies.base import DecodeState, Proposer
 from specdec.strategies.eagle import EagleDraftNet, EagleProposer, EagleStrategy, TrainedEagle
@@ -153,7 +154,7 @@ class EagleTreeProposer(EagleProposer):
             mask[i, length + i] = True
         features = torch.stack([self._parent_feature(node, tree) for node in frontier])  # (n, D)
         position = start + frontier[0].depth - 1
-        if self.kernel is not None:  # the CPU kernels' one call (models/cpu_drafter.py)
+        if self.kernel is not None and n <= FUSED_ROWS:  # the CPU kernels' one call (models/cpu_drafter.py)
             tokens = np.array([node.token for node in frontier], dtype=np.int64)
             logits, guess = self.kernel(tokens, features.float().numpy(), self.cache, mask, np.full(n, position), 0)
         else:
