@@ -30,6 +30,7 @@ from specdec.models.cpu_drafter import DrafterPass
 from specdec.models.cpu_layer import FUSED_ROWS
 from specdec.strategies.base import DecodeState, Proposer, SpeculativeStrategy
 from specdec.strategies.draft import ChainRound
+from specdec.strategies.request_rows import RequestRows, output_rows
 from specdec.strategies.schedules import Confidence, DraftSchedule
 from specdec.verify import Proposal, Verdict
 
@@ -65,6 +66,25 @@ class EagleProposer:
     pending: Tensor | None = None  # (n, D) target features of pairs fed.. not yet in the cache
     static: StaticStep | None = None  # the drafter's compiled static-shape step, when the target compiles
     kernel: DrafterPass | None = None  # the drafter's pass as one call, when it runs on the CPU kernels
+    rows: RequestRows | None = None  # the request's own tokens scored beside the kept rows (request_rows)
+    seen: int = 0  # tokens of the sequence already offered to `rows`
+
+    @property
+    def token_ids(self) -> Tensor | None:
+        """(K [+ n],) the target id of each row of the logits `_run` returns; None when rows are target ids."""
+        return self.rows.token_ids if self.rows is not None else self.net.token_ids
+
+    def _offer(self, ids: list[int]) -> None:
+        """Give `rows` the sequence's tokens it has not seen; the chain's round maps rows to ids with them."""
+        if self.rows is None:
+            return
+        if self.seen:
+            self.rows.add(ids[self.seen:])
+        else:
+            self.rows.reset(ids)
+        self.seen = len(ids)
+        if isinstance(self.round, ChainRound):
+            self.round.token_ids = self.rows.token_ids
 
     def features(self, out: ForwardOut) -> Tensor:
         """What the drafter reads of a target pass, a row per fed token: the tapped layers' inputs for an
@@ -78,10 +98,17 @@ class EagleProposer:
         self.cache.rollback(0)
         self.fed = 0
         self.pending = self.features(out)  # (P, F): h_0 .. h_{P-1}, the pairs' features up to the first new token
+        self.seen = 0
+        self._offer(state.ids)
 
     def _run(self, tokens: list[int] | Tensor, features: Tensor, start: int) -> tuple[Tensor, Tensor]:
-        """Feed pairs at positions start..; the last one's logits (K,) and guessed next feature (D,).
+        """Feed pairs at positions start..; the last one's logits (K [+ n],) and guessed next feature (D,).
         tokens: host ids, or ids drafted on the device (1,)."""
+        logits, guess = self._pass(tokens, features, start)
+        return (logits if self.rows is None else self.rows.extend(logits, guess)), guess
+
+    def _pass(self, tokens: list[int] | Tensor, features: Tensor, start: int) -> tuple[Tensor, Tensor]:
+        """The drafter's pass behind `_run`: logits over its own rows (K,)."""
         if self.kernel is not None and len(tokens) <= FUSED_ROWS:
             ids = tokens.numpy() if isinstance(tokens, Tensor) else np.array(tokens, dtype=np.int64)
             logits, guess = self.kernel(ids, features.float().numpy(), self.cache)
@@ -127,17 +154,26 @@ class EagleProposer:
         assert self.pending is not None
         known = self.features(out)[[0, *verdict.nodes]]  # (1 + accepted, F)
         self.pending = torch.cat([self.pending, known])[:len(state.ids) - 1 - self.fed]
+        self._offer(state.ids)
 
 
 class EagleStrategy(SpeculativeStrategy):
     """Speculative decoding with an EAGLE-style drafter on the target's features (compact or hf target)."""
 
     def __init__(self, target: Any, name: str, drafter: TrainedEagle | EagleDraftNet,
-                 schedule: DraftSchedule | None = None, max_len: int = 2048, prefill_chunk: int = 512) -> None:
+                 schedule: DraftSchedule | None = None, max_len: int = 2048, prefill_chunk: int = 512,
+                 request_rows: bool = False) -> None:
         super().__init__(target, name, max_len, prefill_chunk)
         # a saved drafter is checked against the target and bound to it; a network is used as given
         self.net: EagleDraftNet = drafter.bind(target) if hasattr(drafter, "bind") else drafter  # type: ignore[assignment]
         layers = getattr(self.net, "target_layers", None)
+        if request_rows and layers:
+            raise SpecdecError(f"{name}: request_rows scores target rows against the drafter's guessed final-norm "
+                               "feature, which an EAGLE-3 drafter does not make; set request_rows=false")
+        # scored beside the kept rows from each request's tokens (strategies/request_rows.py); nothing to add
+        # when the drafter already scores every target row
+        self.rows = (RequestRows(self.net.token_ids, output_rows(target))
+                     if request_rows and self.net.token_ids is not None else None)
         if layers:  # EAGLE-3 (heads/eagle3.py): the target's passes return those layers' inputs too
             self.engine.use_taps(layers)
         # compiled with the target, on the torch path (a drafter on the CPU kernels stays eager)
@@ -178,5 +214,5 @@ class EagleStrategy(SpeculativeStrategy):
         self.last_proposer = EagleProposer(
             self.net, self.cache, ChainRound(self.schedule, self.net.token_ids, self.target.vocab_size,
                                                device=self.engine.device),
-            static=self.static, kernel=self.kernel)
+            static=self.static, kernel=self.kernel, rows=self.rows)
         return self.last_proposer

@@ -47,6 +47,7 @@ from specdec.models.cpu_layer import FUSED_ROWS
 from specdec.ngram import as_tokens
 from specdec.strategies.base import DecodeState, Proposer
 from specdec.strategies.eagle import EagleDraftNet, EagleProposer, EagleStrategy, TrainedEagle
+from specdec.strategies.request_rows import RequestRows
 from specdec.strategies.schedules import FixedLength
 from specdec.verify import Proposal, Verdict
 
@@ -115,8 +116,8 @@ class EagleTreeProposer(EagleProposer):
     def __init__(self, net: EagleDraftNet, cache: KVCache, depth: int, topk: int, nodes: int,
                  room: Callable[[], int], costs: list[float] | None, static: StaticStep | None = None,
                  grow: str = "all", observed: Observed | None = None, run_costs: RunCosts | None = None,
-                 kernel: DrafterPass | None = None) -> None:
-        super().__init__(net, cache, _NO_ROUND, static=static, kernel=kernel)  # type: ignore[arg-type]
+                 kernel: DrafterPass | None = None, rows: RequestRows | None = None) -> None:
+        super().__init__(net, cache, _NO_ROUND, static=static, kernel=kernel, rows=rows)  # type: ignore[arg-type]
         self.depth, self.topk, self.nodes, self.costs, self.grow = depth, topk, nodes, costs, grow
         self.observed = observed  # None: path probabilities at face value
         self.run_costs = run_costs  # None: the start-up curve `costs` throughout
@@ -127,7 +128,7 @@ class EagleTreeProposer(EagleProposer):
         self.root_feature: Tensor | None = None  # (D,) the drafter's guess of the root's feature
 
     def _ids(self, rows: Tensor) -> Tensor:
-        ids = self.net.token_ids
+        ids = self.token_ids
         return rows if ids is None else ids.to(rows.device)[rows]
 
     def _children(self, logits: Tensor) -> tuple[list[list[int]], list[list[float]]]:
@@ -165,7 +166,7 @@ class EagleTreeProposer(EagleProposer):
             logits, guess = logits[0], guess[0]
         for i, node in enumerate(frontier):
             node.slot, node.feature = length + i, guess[i]
-        return logits
+        return logits if self.rows is None else self.rows.extend(logits, guess)
 
     def _parent_feature(self, node: Node, tree: list[Node]) -> Tensor:
         feature = self.root_feature if node.parent < 0 else tree[node.parent].feature
@@ -256,7 +257,7 @@ class Eagle2(EagleStrategy):
     def __init__(self, target: object, name: str, drafter: TrainedEagle | EagleDraftNet, depth: int = 4,
                  topk: int = 4, nodes: int = 8, size: str = "fixed", max_len: int = 2048,
                  prefill_chunk: int = 512, grow: str = "all", estimate: str = "drafter",
-                 curve: str = "startup") -> None:
+                 curve: str = "startup", request_rows: bool = False) -> None:
         if (depth < 1 or topk < 1 or nodes < 1 or size not in ("fixed", "cost") or grow not in ("all", "useful")
                 or estimate not in ("drafter", "observed") or curve not in ("startup", "run")):
             raise SpecdecError(f"strategy=eagle2 needs depth >= 1, topk >= 1, nodes >= 1, size fixed or cost, grow "
@@ -265,7 +266,7 @@ class Eagle2(EagleStrategy):
                                f"estimate={estimate!r}, curve={curve!r}")
         if curve == "run" and size != "cost":
             raise SpecdecError("strategy=eagle2 curve=run corrects the pass costs that size trees; add size=cost")
-        super().__init__(target, name, drafter, FixedLength(depth), max_len, prefill_chunk)
+        super().__init__(target, name, drafter, FixedLength(depth), max_len, prefill_chunk, request_rows)
         if not getattr(self.engine, "supports_trees", False):
             raise SpecdecError(f"strategy=eagle2 verifies token trees, which needs the compact model; {name} runs "
                                "through transformers: use strategy=eagle (chains)")
@@ -284,5 +285,6 @@ class Eagle2(EagleStrategy):
         room = lambda: self.engine.max_len - self.engine.length - 1  # noqa: E731
         self.last_proposer = EagleTreeProposer(self.net, self.cache, self.depth, self.topk, self.nodes, room,
                                                self.costs, static=self.static, grow=self.grow,
-                                               observed=self.observed, run_costs=self.run_costs, kernel=self.kernel)
+                                               observed=self.observed, run_costs=self.run_costs, kernel=self.kernel,
+                                               rows=self.rows)
         return self.last_proposer
