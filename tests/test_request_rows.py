@@ -64,6 +64,8 @@ def test_request_rows_get_proposed_and_the_output_stays_greedys(tiny_target: Loa
                              request_rows=request_rows)
 
     with_rows, without = build(True), build(False)
+    with pytest.raises(SpecdecError, match="request's own rows at generation.batch_size=1 only"):
+        with_rows.batch_decoder(2, GenerationParams(8))
     kept = set(load_eagle(str(narrow)).bind(tiny_target).token_ids.tolist())
     greedy = Greedy(tiny_target, "greedy", 512, 64)
     for prompt in PROMPTS:

@@ -201,6 +201,9 @@ class EagleStrategy(SpeculativeStrategy):
         from specdec.strategies.batched_draft import BatchCosts
         from specdec.strategies.batched_eagle import BatchedEagle
 
+        if self.rows is not None:
+            raise SpecdecError(f"strategy {self.name}: request_rows=true scores each request's own rows at "
+                               "generation.batch_size=1 only; set request_rows=false to decode in batches")
         if not getattr(self.net, "reads_features", False):
             raise SpecdecError(f"batched EAGLE drafting needs a saved drafter (heads.eagle), not a "
                                f"{type(self.net).__name__}; run it with generation.batch_size=1")
