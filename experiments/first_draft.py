@@ -31,6 +31,7 @@ def main() -> None:
     ap.add_argument("--category", default=None)
     ap.add_argument("--limit", type=int, default=8, help="questions")
     ap.add_argument("--tokens", type=int, default=128, help="new tokens per answer")
+    ap.add_argument("--weights", default=None, help="the drafter's weights: fp32 | bf16 | int8 (default: the config's)")
     args = ap.parse_args()
     model = OmegaConf.to_container(OmegaConf.load(CONFIG_DIR / "model" / "smollm2-135m.yaml"), resolve=True)
     assert isinstance(model, dict)
@@ -39,6 +40,8 @@ def main() -> None:
     scfg = group_config("strategy", "eagle")
     scfg.drafter.path = f"heads/checkpoints/{target.name}-eagle"
     scfg.request_rows = True
+    if args.weights:
+        scfg.drafter.weights = args.weights
     strategy = instantiate(scfg)(target=target, max_len=2048, prefill_chunk=64)
     strategy.schedule = FixedLength(1)
     kept = set(strategy.net.token_ids.tolist())

@@ -18,6 +18,7 @@ from specdec.engine.sampling import HOST_READS
 from specdec.models.loader import LoadedModel
 from specdec.strategies.base import DecodeState, GenerationParams, SpeculativeStrategy
 from specdec.strategies.draft import DraftStrategy
+from specdec.strategies.eagle import EagleStrategy
 from specdec.strategies.greedy import Greedy
 from specdec.strategies.prompt_lookup import PromptLookup
 from specdec.strategies.schedules import FixedLength
@@ -71,7 +72,21 @@ class TreeStrategy(SpeculativeStrategy):
         return DeviceTree(self.target)
 
 
-@pytest.mark.parametrize("kind", ["greedy", "chain", "tree", "draft"])
+def eagle(target: LoadedModel, request_rows: bool) -> EagleStrategy:
+    """EAGLE's chain from an untrained drafter over 64 kept rows; with `request_rows` it also scores the
+    request's other tokens, whose rows it gathers on the device as they appear."""
+    from heads.eagle import EagleTrainable
+
+    ids = prompts(target)["repeating"]
+    trainable = EagleTrainable(kept_vocab=64)
+    net = trainable.build(target, [{"input_ids": ids, "labels": ids[1:] + [0]}]).net.eval()
+    assert trainable.kept_ids is not None
+    net.token_ids = trainable.kept_ids[8:]  # the prompt's most frequent tokens left outside the kept rows
+    net.lm_head.weight.data = net.lm_head.weight.data[8:]
+    return EagleStrategy(target, "eagle", net, FixedLength(3), 256, request_rows=request_rows)
+
+
+@pytest.mark.parametrize("kind", ["greedy", "chain", "tree", "draft", "eagle", "eagle_rows"])
 @pytest.mark.parametrize("static", [False, True])
 def test_at_most_one_host_read_per_step(kind: str, static: bool, host_reads: Callable[[], int]) -> None:
     target = make_looping_target()
@@ -81,6 +96,8 @@ def test_at_most_one_host_read_per_step(kind: str, static: bool, host_reads: Cal
         "tree": lambda: TreeStrategy(target, "tree", max_len=256),
         # the target drafts for itself: every drafted token accepted, none of them read one by one
         "draft": lambda: DraftStrategy(target, "draft", target, FixedLength(4), 256),
+        "eagle": lambda: eagle(target, False),
+        "eagle_rows": lambda: eagle(target, True),
     }[kind]()
     if static:  # the static-shape step without compiling: the same Python as the compiled one
         strategy.engine = StaticEngine(target.model, 256, static=True)
@@ -91,8 +108,10 @@ def test_at_most_one_host_read_per_step(kind: str, static: bool, host_reads: Cal
     reads = host_reads() - before
     # the prefill's first token is one read; then one per decode step, whatever was proposed
     assert reads <= res.decode_steps + 1, f"{reads} host reads for {res.decode_steps} steps"
-    if kind != "greedy":
+    if kind not in ("greedy", "eagle", "eagle_rows"):  # an untrained drafter's tokens may all be rejected
         assert res.accepted > 0  # the proposals were real, and verified
+    if kind == "eagle_rows":
+        assert len(strategy.rows.added) > 0  # type: ignore[attr-defined]  # rows were gathered while decoding
 
 
 def test_the_counter_sees_a_stray_read(host_reads: Callable[[], int]) -> None:

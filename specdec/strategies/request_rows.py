@@ -40,12 +40,13 @@ class RequestRows:
         if head.dim() != 2 or int(kept.max()) >= head.shape[0]:
             raise SpecdecError(f"request rows need the target's ({head.shape[0]}, D) output head over every kept row")
         self.kept, self.head = kept, head
-        self.in_rows = np.zeros(head.shape[0], dtype=np.bool_)  # host copy: kept or added, read per token
+        self.kept_host = kept.cpu().numpy()  # read once: a turn's reset then makes no device read
+        self.in_rows = np.zeros(head.shape[0], dtype=np.bool_)  # on the host: kept or added, read per token
         self.reset([])
 
     def reset(self, ids: Sequence[int]) -> None:
         self.in_rows[:] = False
-        self.in_rows[self.kept.cpu().numpy()] = True
+        self.in_rows[self.kept_host] = True
         self.added: list[int] = []
         self.token_ids = self.kept  # (K + n,)
         self.extra = self.head[:0].float()  # (n, D)
