@@ -1,9 +1,10 @@
 """The rows a reduced-vocabulary EAGLE drafter scores besides its kept ones: the request's own tokens.
 
 Why: the drafter scores only the K target rows it was trained on (heads/eagle.py, `kept_vocab`), so a
-token outside them ends every chain that reaches it. Most of the target's output tokens outside them
-already occur in the request: a translation's copied words, a document's names and numbers
-(experiments/README.md, "The request's own tokens as drafter rows"). Its head is the target's own output
+token outside them ends every chain that reaches it. Many of the target's output tokens outside them
+already occur in the request: a translation's copied words, a document's names and numbers (on the
+held-apart sets, from half of them to nearly all; experiments/README.md, "The request's own tokens as
+drafter rows"). Its head is the target's own output
 rows over its guessed final-norm feature, so any target row can be scored without retraining: logits of
 an added row j are head[j] . guess, as the kept rows' are. Proposals only: the target verifies every
 token, so the output is unchanged (lossless).
