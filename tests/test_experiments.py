@@ -337,3 +337,28 @@ def test_row_coverage_counts_the_baselines_tokens_in_the_rows(tmp_path: Path, mo
     monkeypatch.setattr("sys.argv", ["row_coverage.py", str(tmp_path), str(tmp_path / "none")])
     with pytest.raises(SystemExit, match="holds none of"):
         script.main()
+
+
+def test_row_coverage_counts_the_requests_own_tokens(tmp_path: Path, tiny_target: object) -> None:
+    # an answer's tokens: one kept, one from its prompt, then a token twice (the second time it is an earlier one)
+    script = _script("row_coverage")
+    turns = ["alpha beta gamma", "delta epsilon"]
+    (tmp_path / "q.jsonl").write_text(json.dumps({"question_id": "q", "category": "qa", "turns": turns}) + "\n")
+    model = OmegaConf.to_container(OmegaConf.load(CONFIG_DIR / "model" / "tiny-llama.yaml"), resolve=True)
+    config = {"model": model, "data": {"path": str(tmp_path / "q.jsonl")}}
+    (tmp_path / "summary.json").write_text(json.dumps({"config": config}))
+    chat = tiny_target.chat_ids  # type: ignore[attr-defined]
+    first = chat([{"role": "user", "content": turns[0]}])
+    said = "zeta"
+    second = chat([{"role": "user", "content": turns[0]}, {"role": "assistant", "content": said},
+                   {"role": "user", "content": turns[1]}])
+    kept = next(t for t in range(500, 0, -1) if t not in first + second)
+    new = next(t for t in range(400, 500) if t not in first + second + [kept])
+    alone = chat([{"role": "user", "content": turns[1]}])
+    later = next(t for t in second if t not in first + alone)  # from turn 0's answer, in the second turn's prompt
+    rows = [{"question_id": "q", "category": "qa", "turn": 0, "output_ids": [kept, first[-4], new, new],
+             "output_text": said},
+            {"question_id": "q", "category": "qa", "turn": 1, "output_ids": [later, new, kept, new],
+             "output_text": "x"}]
+    shares = {c: v for c, *v in script.request_coverage(tmp_path, rows, {kept})}
+    assert shares["all"] == [8, 0.25, 0.5, 0.75] and shares["qa"] == shares["all"]
