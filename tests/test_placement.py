@@ -202,9 +202,9 @@ def strategies(saved: dict[str, Path]) -> dict[str, Callable[[LoadedModel], Spec
         return functools.partial(DraftStrategy, name="draft", draft=load_draft(str(saved["draft"])),
                                  schedule=schedule())
 
-    def eagle() -> Callable[..., EagleStrategy]:  # as configs/strategy/eagle.yaml: chains with second choices
+    def eagle(**kw: Any) -> Callable[..., EagleStrategy]:  # as configs/strategy/eagle.yaml: chains, second choices
         return functools.partial(EagleStrategy, name="eagle", drafter=load_eagle(str(saved["eagle"])),
-                                 schedule=CostAware(siblings=1))
+                                 schedule=CostAware(siblings=1), **kw)
 
     def medusa(rows: int | None = None, **kw: Any) -> Callable[..., Medusa]:
         heads = functools.partial(medusa_heads, path=str(saved["medusa"]), rows=rows)  # as Hydra builds it
@@ -225,6 +225,7 @@ def strategies(saved: dict[str, Path]) -> dict[str, Callable[[LoadedModel], Spec
         "draft": draft(),
         "draft_lm": lambda target, **kw: DraftStrategy(target, "draft_lm", target, FixedLength(3), **kw),
         "eagle": eagle(),
+        "eagle_rows": eagle(request_rows=True),  # the request's own rows, gathered from the target's head
         # rows past the trained ones: the widened head is built where the target is too
         "eagle2": functools.partial(Eagle2, name="eagle2", drafter=load_eagle(str(saved["eagle"]), rows=2 * KEPT),
                                     depth=2, topk=2, nodes=3),
@@ -241,8 +242,8 @@ def strategies(saved: dict[str, Path]) -> dict[str, Callable[[LoadedModel], Spec
     return built
 
 
-NAMES = ["greedy", "prompt_lookup", "lookahead", "draft", "draft_lm", "eagle", "eagle2", "medusa", "medusa_dynamic",
-         "hydra_copy", "hydra_fixed", "draft_lookup", "eagle_lookup", "medusa_lookup"]
+NAMES = ["greedy", "prompt_lookup", "lookahead", "draft", "draft_lm", "eagle", "eagle_rows", "eagle2", "medusa",
+         "medusa_dynamic", "hydra_copy", "hydra_fixed", "draft_lookup", "eagle_lookup", "medusa_lookup"]
 
 
 def test_a_published_eagle3_drafter_is_built_on_the_targets_device(tmp_path: Path) -> None:
@@ -306,6 +307,26 @@ def test_medusa_proposers_propose_on_the_targets_device(lazy_target: LoadedModel
         state.ids += verdict.tokens
         proposer.commit(state, verdict, _fake_out(lazy_target, 1 + len(proposal.tokens), step + 1))
     assert not misplaced(lazy_target, proposer=proposer)
+
+
+def test_request_rows_gather_and_score_on_the_targets_device(lazy_target: LoadedModel, saved: dict[str, Path],
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """EAGLE's request rows (strategies/request_rows.py) are gathered from the target's head and scored against
+    a guessed feature on its device, in its dtype (the lazy device cannot run the drafter's rope, so the rows are
+    fed and scored directly)."""
+    monkeypatch.setattr(torch.autograd.grad_mode.inference_mode, "__enter__", lambda self: None)
+    monkeypatch.setattr(torch.autograd.grad_mode.inference_mode, "__exit__", lambda self, *exc: None)
+    proposer = strategies(saved)["eagle_rows"](lazy_target).make_proposer()
+    rows = proposer.rows  # type: ignore[attr-defined]
+    k = int(rows.kept_host[0])  # kept rows come from ids 100..299 (`saved`)
+    proposer._offer([k, 400, 401, k])  # type: ignore[attr-defined]  # a turn's start
+    proposer._offer([k, 400, 401, k, 402])  # type: ignore[attr-defined]  # then a token the target emitted
+    assert rows.added == [400, 401, 402] and len(rows.token_ids) == KEPT + 3
+    assert proposer.round.token_ids is rows.token_ids  # type: ignore[attr-defined]
+    device, dtype = lazy_target.device, lazy_target.dtype
+    scored = rows.extend(torch.zeros(KEPT, device=device, dtype=dtype), torch.ones(lazy_target.hidden_size,
+                                                                                  device=device, dtype=dtype))
+    assert scored.shape == (KEPT + 3,) and not misplaced(lazy_target, proposer=proposer, scored=scored)
 
 
 @pytest.mark.parametrize("name", NAMES)

@@ -7,11 +7,14 @@ from pathlib import Path
 import pytest
 import torch
 from helpers import assert_draws_follow, speculative_rounds
+from omegaconf import OmegaConf
 
 from heads.eagle import EagleTrainable, load_eagle
+from specdec.cli_checks import CONFIG_DIR
 from specdec.engine.sampling import SamplingParams, warp
 from specdec.errors import SpecdecError
-from specdec.models.loader import LoadedModel
+from specdec.models import cpu_kernels
+from specdec.models.loader import LoadedModel, load_model
 from specdec.strategies.base import DecodeState, GenerationParams
 from specdec.strategies.eagle import EagleStrategy
 from specdec.strategies.eagle_tree import Eagle2
@@ -53,9 +56,23 @@ def test_rows_add_the_requests_tokens_outside_the_kept_ones_in_order() -> None:
     assert rows.extend(logits, h) is logits
 
 
+@pytest.fixture(scope="module")
+def kernels_target() -> LoadedModel:
+    """tiny-llama (tiny_target's weights) on the CPU kernels, where drafter passes are one compiled call."""
+    if not cpu_kernels.available():
+        pytest.skip("numba is not installed")
+    cfg = OmegaConf.to_container(OmegaConf.load(CONFIG_DIR / "model" / "tiny-llama.yaml"), resolve=True)
+    assert isinstance(cfg, dict)
+    cfg.pop("_target_")
+    return load_model(**(cfg | {"matmul": "numba"}))
+
+
+@pytest.mark.parametrize("matmul", ["torch", "numba"])
 @pytest.mark.parametrize("tree", [False, True])
-def test_request_rows_get_proposed_and_the_output_stays_greedys(tiny_target: LoadedModel, narrow: Path,
-                                                                 tree: bool) -> None:
+def test_request_rows_get_proposed_and_the_output_stays_greedys(request: pytest.FixtureRequest, narrow: Path,
+                                                                 tree: bool, matmul: str) -> None:
+    tiny_target = request.getfixturevalue("tiny_target" if matmul == "torch" else "kernels_target")
+
     def build(request_rows: bool) -> EagleStrategy:
         if tree:
             return Eagle2(tiny_target, "eagle2", load_eagle(str(narrow)), depth=3, topk=3, nodes=6, max_len=512,
@@ -64,6 +81,7 @@ def test_request_rows_get_proposed_and_the_output_stays_greedys(tiny_target: Loa
                              request_rows=request_rows)
 
     with_rows, without = build(True), build(False)
+    assert (with_rows.kernel is not None) == (matmul == "numba")  # the one-call drafter pass, as in real runs
     with pytest.raises(SpecdecError, match="request's own rows at generation.batch_size=1 only"):
         with_rows.batch_decoder(2, GenerationParams(8))
     kept = set(load_eagle(str(narrow)).bind(tiny_target).token_ids.tolist())

@@ -50,7 +50,7 @@ class RequestRows:
         self.in_rows[self.kept_host] = True
         self.added: list[int] = []
         self.token_ids = self.kept  # (K + n,)
-        self.extra = self.head[:0].float()  # (n, D)
+        self.extra = self.head[:0]  # (n, D), in the head's dtype and on its device
         self.add(ids)
 
     def add(self, ids: Sequence[int]) -> None:
@@ -61,11 +61,11 @@ class RequestRows:
         self.added += fresh
         new = torch.tensor(self.added, device=self.kept.device)
         self.token_ids = torch.cat([self.kept, new])
-        self.extra = self.head[new].float()  # (n, D)
+        self.extra = self.head[new]  # (n, D)
 
     def extend(self, logits: Tensor, hidden: Tensor) -> Tensor:
         """logits (..., K) over the kept rows and the feature they were taken from (..., D) -> (..., K + n)."""
         if not self.added:
             return logits
-        more = hidden.float().to(self.extra.device) @ self.extra.T  # (..., n)
-        return torch.cat([logits, more.to(device=logits.device, dtype=logits.dtype)], -1)
+        more = hidden.to(self.extra.dtype) @ self.extra.T  # (..., n), as the kept rows' logits are taken
+        return torch.cat([logits, more.to(logits.dtype)], -1)
