@@ -188,6 +188,25 @@ def test_cost_aware_reads_marginal_costs_off_the_pass_curve() -> None:
     assert sched.cost == pytest.approx(0.15, rel=0.02)
 
 
+def test_cost_aware_takes_a_fixed_curve_instead_of_timing_one() -> None:
+    steep = CostAware(cost_ratio=0.02, curve=[1.0, 1.07, 1.10, 1.05, 1.20])
+    steep.calibrate(object())  # nothing timed: an engine's pass_cost_curve would fail on this object
+    assert steep.pass_cost(4) == pytest.approx(1.10)  # a dip is made non-decreasing, as in a measured curve
+    assert steep.verify_step(4) == pytest.approx(0.10) and steep.pass_cost(7) == pytest.approx(1.40)
+    flat = CostAware(cost_ratio=0.02, curve=[2.0, 2.0, 2.0, 2.0, 2.02])  # normalised to its first entry
+    flat.calibrate(object())
+    # the same odds (0.6, then 0.6 x 0.6 ...) draft further where passes are cheaper
+    def drafted(s: CostAware) -> int:
+        s.length()
+        n = 0
+        while n < s.max_gamma and s.keep_drafting(n + 1, 0.65):
+            n += 1
+        return n
+    assert drafted(flat) > drafted(steep)
+    with pytest.raises(SpecdecError, match="schedule.curve"):
+        CostAware(curve=[1.0])
+
+
 def test_cost_aware_measures_verification_cost() -> None:
     sched = CostAware(cost_ratio=1.0, verify_cost=0.0, momentum=0.1)
     for i in range(300):  # target pass: 20 ms + 4 ms per verified token; draft: 2.4 ms per token

@@ -151,7 +151,9 @@ class CostAware(DraftSchedule):
     added iff that beats R v, the second choice's odds calibrated like the chain's (a scratch check found
     the second choice the target's token far less often than the first; experiments/README.md, "Figures
     moved out of code and configs").
-    `siblings` caps the branches per round (0: chains only).
+    `siblings` caps the branches per round (0: chains only). `curve`, when given, replaces the start-up
+    measurement: a pass over n = 1, 2, ... tokens in one-token passes (to study a host state the start-up
+    timing did not meet; made non-decreasing, and extended past its end by its last step).
 
     Given an engine (`calibrate`, as the strategies do), v is not one slope but the marginal cost read
     off the target's pass-cost curve, measured at start-up: on a CPU a pass over 2 or 3 tokens costs
@@ -163,10 +165,14 @@ class CostAware(DraftSchedule):
     reads_times = True
 
     def __init__(self, max_gamma: int = 12, cost_ratio: float = 0.1, verify_cost: float = 0.1,
-                 bins: int = 10, prior_weight: float = 4.0, momentum: float = 0.05, siblings: int = 0) -> None:
+                 bins: int = 10, prior_weight: float = 4.0, momentum: float = 0.05, siblings: int = 0,
+                 curve: list[float] | None = None) -> None:
         if max_gamma < 1 or cost_ratio < 0 or verify_cost < 0 or bins < 1 or not 0 < momentum <= 1 or siblings < 0:
             raise SpecdecError("strategy.schedule: max_gamma >= 1, cost_ratio >= 0, verify_cost >= 0, bins >= 1, "
                                "momentum in (0, 1] and siblings >= 0 are required")
+        if curve is not None and (len(curve) < 2 or any(not c > 0 for c in curve)):
+            raise SpecdecError(f"strategy.schedule.curve={list(curve)}: give at least two positive pass costs, for 1, "
+                               "2, ... tokens in one-token passes (e.g. [1.0,1.07,1.10]), or null to time them")
         self.max_gamma = max_gamma
         self.max_siblings = siblings
         self.cost = cost_ratio  # c
@@ -182,8 +188,14 @@ class CostAware(DraftSchedule):
         self._chain = 1.0
         self._moments: list[float] | None = None  # running E[n], E[t], E[n^2], E[n t] of target passes
         self.curve: list[float] | None = None  # curve[n]: a pass over n tokens in one-token passes (n >= 1)
+        self.fixed = None if curve is None else [float(c) / float(curve[0]) for c in curve]  # (n = 1, 2, ...)
 
     def calibrate(self, engine: Engine) -> None:
+        if self.fixed is not None:
+            self.curve = [1.0]
+            for c in self.fixed:  # non-decreasing, as a measured one is made
+                self.curve.append(max(self.curve[-1], c))
+            return
         longest = min(self.max_gamma + self.max_siblings + 1, 16)  # timing every size up to a long cap is slow
         measured = pass_cost_curve(engine, list(range(2, longest + 1)))
         curve = [1.0, 1.0]
