@@ -1,9 +1,10 @@
-"""Speedups split by the host's speed state: `python experiments/phase_split.py RUN_DIR A [B] [--split MS]`.
+"""Speedups split by the host's speed state: `python experiments/phase_split.py RUN_DIR A [B] [--split MS] [--by C]`.
 
 Some hosts switch between two speeds for tens of seconds at a time (the 2-core AMD EPYC of experiments/README.md,
 "The acceptance runs on an AMD EPYC"): a one-token target pass takes about 13 ms in one state and about 19 ms
 in the other. A question's state is read from B's time per decode step over its turns, (wall - ttft) / steps;
-B is the run's baseline unless named. Questions split at `--split MS`, else at the threshold that best
+B is the run's baseline unless named, and `--by C` reads the state from C's steps instead (to compare two
+drafters A and B per state with the baseline's steps setting it). Questions split at `--split MS`, else at the threshold that best
 separates the two groups (Otsu's: the largest between-group variance). Per state it prints A's speedup over B
 with the paired 95% bootstrap interval of summary.json (specdec.metrics.speedup_ci), both taus, and what A's
 decode round costs in B's steps: drafting, and the rest (the target's pass over the proposal, verification,
@@ -72,6 +73,7 @@ def main() -> None:
     ap.add_argument("a")
     ap.add_argument("b", nargs="?", default=None, help="the strategy whose step time sets the state (the baseline)")
     ap.add_argument("--split", type=float, default=None, help="ms per step between the states (default: Otsu's)")
+    ap.add_argument("--by", default=None, help="the strategy whose step time sets the state (default: B)")
     args = ap.parse_args()
     answers = args.run_dir / "answers.jsonl"
     if not answers.is_file():
@@ -79,23 +81,24 @@ def main() -> None:
     rows = [json.loads(line) for line in answers.read_text().splitlines() if line]
     b_name = args.b or json.loads((args.run_dir / "summary.json").read_text())["baseline"]
     names = sorted({r["strategy"] for r in rows})
-    for name in (args.a, b_name):
+    by = args.by or b_name
+    for name in (args.a, b_name, by):
         if name not in names:
             raise SystemExit(f"{args.run_dir} has no answers of {name}; it holds {', '.join(names)}")
-    per_q = step_ms([r for r in rows if r["strategy"] == b_name])
+    per_q = step_ms([r for r in rows if r["strategy"] == by])
     if len(per_q) < 4:
         raise SystemExit(f"{args.run_dir}: {len(per_q)} questions with decode steps; a split needs at least 4")
     cut = args.split if args.split is not None else otsu(list(per_q.values()))
     groups = {"fast": [q for q, t in per_q.items() if t < cut], "slow": [q for q, t in per_q.items() if t >= cut]}
     means = {k: sum(per_q[q] for q in v) / len(v) for k, v in groups.items() if v}
-    print(f"{args.run_dir}: {b_name}'s step time per question split at {cut:.1f} ms "
+    print(f"{args.run_dir}: {by}'s step time per question split at {cut:.1f} ms "
           f"({'given' if args.split is not None else 'Otsu'})")
     if len(means) == 2 and means["slow"] / means["fast"] < DISTINCT:
         print(f"  the groups' mean step times differ by {means['slow'] / means['fast'] - 1:.0%}: one state")
     print(f"  all {len(per_q)} questions: {args.a} / {b_name} {compare(*pick(rows, args.a, b_name, set(per_q)))}")
     for name, qs in groups.items():
         if qs:
-            print(f"  {name} ({len(qs)} questions, {b_name} {means[name]:.1f} ms a step): "
+            print(f"  {name} ({len(qs)} questions, {by} {means[name]:.1f} ms a step): "
                   f"{args.a} / {b_name} {compare(*pick(rows, args.a, b_name, set(qs)))}")
 
 

@@ -317,6 +317,34 @@ def test_phase_split_reads_each_questions_phase_from_the_baseline(tmp_path: Path
     assert "the groups' mean step times differ by 10%: one state" in capsys.readouterr().out
 
 
+def test_phase_split_by_a_third_strategys_steps(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                capsys: pytest.CaptureFixture[str]) -> None:
+    # Two drafters compared per state, the state read from greedy's steps (10 ms, then 20): a is 0.8x c in the
+    # first state and 1.25x in the second; c's own steps (20 ms throughout) hold no state.
+    rows = []
+    for i in range(8):
+        fast = i < 4
+        rows += [{"question_id": f"q{i}", "strategy": "greedy", "new_tokens": 100, "ttft_s": 0.0,
+                  "wall_time_s": 1.0 if fast else 2.0, "decode_steps": 100, "accept_lengths": [1] * 100},
+                 {"question_id": f"q{i}", "strategy": "a", "new_tokens": 100, "ttft_s": 0.0,
+                  "wall_time_s": 1.25 if fast else 0.8, "decode_steps": 50, "accept_lengths": [2] * 50,
+                  "draft_time_s": 0.1},
+                 {"question_id": f"q{i}", "strategy": "c", "new_tokens": 100, "ttft_s": 0.0,
+                  "wall_time_s": 1.0, "decode_steps": 50, "accept_lengths": [2] * 50, "draft_time_s": 0.1}]
+    (tmp_path / "answers.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (tmp_path / "summary.json").write_text(json.dumps({"baseline": "greedy"}))
+    script = _script("phase_split")
+    monkeypatch.setattr("sys.argv", ["phase_split.py", str(tmp_path), "a", "c", "--by", "greedy"])
+    script.main()
+    out = capsys.readouterr().out
+    assert "greedy's step time per question split at 15.0 ms (Otsu)" in out
+    assert "fast (4 questions, greedy 10.0 ms a step): a / c 0.800 [0.800, 0.800]" in out
+    assert "slow (4 questions, greedy 20.0 ms a step): a / c 1.250 [1.250, 1.250]" in out
+    monkeypatch.setattr("sys.argv", ["phase_split.py", str(tmp_path), "a", "c", "--by", "d"])
+    with pytest.raises(SystemExit, match="no answers of d"):
+        script.main()
+
+
 def test_row_coverage_counts_the_baselines_tokens_in_the_rows(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                                capsys: pytest.CaptureFixture[str]) -> None:
     import torch
