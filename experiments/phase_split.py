@@ -4,13 +4,13 @@ Some hosts switch between two speeds for tens of seconds at a time (the 2-core A
 "The acceptance runs on an AMD EPYC"): a one-token target pass takes about 13 ms in one state and about 19 ms
 in the other. A question's state is read from B's time per decode step over its turns, (wall - ttft) / steps;
 B is the run's baseline unless named, and `--by C` reads the state from C's steps instead (to compare two
-drafters A and B per state with the baseline's steps setting it). Questions split at `--split MS`, else at the threshold that best
-separates the two groups (Otsu's: the largest between-group variance). Per state it prints A's speedup over B
-with the paired 95% bootstrap interval of summary.json (specdec.metrics.speedup_ci), both taus, and what A's
-decode round costs in B's steps: drafting, and the rest (the target's pass over the proposal, verification,
-bookkeeping).
+drafters A and B per state with the baseline's steps setting it). Questions split at `--split MS`, else at the
+threshold that best separates the two groups (Otsu's: the largest between-group variance). Per state it
+prints A's speedup over B with the paired 95% bootstrap interval of summary.json (specdec.metrics.speedup_ci),
+both taus, and what A's decode round costs in B's steps: drafting, and the rest (the target's pass over the
+proposal, verification, bookkeeping).
 
-The state is B's: it may change between the strategies' turns of one question, which blurs the split. A run
+The state is that strategy's: it may change between the strategies' turns of one question, which blurs the split. A run
 alternates the strategies' order from one question to the next, so the blur favours neither strategy.
 """
 

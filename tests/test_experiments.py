@@ -390,3 +390,17 @@ def test_row_coverage_counts_the_requests_own_tokens(tmp_path: Path, tiny_target
              "output_text": "x"}]
     shares = {c: v for c, *v in script.request_coverage(tmp_path, rows, {kept})}
     assert shares["all"] == [8, 0.25, 0.5, 0.75] and shares["qa"] == shares["all"]
+
+
+def test_state_curves_takes_each_sizes_median_ratio_and_never_falls() -> None:
+    script = _script("state_curves")
+    # three timings of one state: a pass over n tokens at 1 + 0.1 (n - 1) of its own one-token pass, but the
+    # middle timing's 3-token pass dipped below its 2-token one
+    timings = [{n: t1 * (1 + 0.1 * (n - 1)) for n in script.SIZES} for t1 in (0.010, 0.012, 0.014)]
+    timings[1][3] = 0.012 * 1.05
+    curve = script.state_curve(timings)
+    assert len(curve) == len(script.SIZES) and curve[0] == 1.0
+    assert curve[1] == pytest.approx(1.1) and curve[2] == pytest.approx(1.2)  # the median ignores the dip
+    assert curve[15] == pytest.approx(2.5)
+    timings = [{n: 0.01 * (1.0 if n != 4 else 0.9) for n in script.SIZES}] * 3
+    assert script.state_curve(timings)[3] == 1.0  # a dip below the size before it is lifted
