@@ -203,8 +203,9 @@ def test_cost_aware_takes_a_fixed_curve_instead_of_timing_one() -> None:
             n += 1
         return n
     assert drafted(flat) > drafted(steep)
-    with pytest.raises(SpecdecError, match="schedule.curve"):
-        CostAware(curve=[1.0])
+    for bad in ([1.0], [1.0, 0.0], [1.0, "fast"], "fast"):
+        with pytest.raises(SpecdecError, match="schedule.curve"):
+            CostAware(curve=bad)  # type: ignore[arg-type]
 
 
 def test_cost_aware_measures_verification_cost() -> None:

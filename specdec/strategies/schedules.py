@@ -170,8 +170,10 @@ class CostAware(DraftSchedule):
         if max_gamma < 1 or cost_ratio < 0 or verify_cost < 0 or bins < 1 or not 0 < momentum <= 1 or siblings < 0:
             raise SpecdecError("strategy.schedule: max_gamma >= 1, cost_ratio >= 0, verify_cost >= 0, bins >= 1, "
                                "momentum in (0, 1] and siblings >= 0 are required")
-        if curve is not None and (len(curve) < 2 or any(not c > 0 for c in curve)):
-            raise SpecdecError(f"strategy.schedule.curve={list(curve)}: give at least two positive pass costs, for 1, "
+        numbers = curve is not None and not isinstance(curve, str) and all(
+            isinstance(c, (int, float)) and not isinstance(c, bool) and c > 0 for c in curve)
+        if curve is not None and (not numbers or len(curve) < 2):
+            raise SpecdecError(f"strategy.schedule.curve={curve}: give at least two positive pass costs, for 1, "
                                "2, ... tokens in one-token passes (e.g. [1.0,1.07,1.10]), or null to time them")
         self.max_gamma = max_gamma
         self.max_siblings = siblings
@@ -188,7 +190,7 @@ class CostAware(DraftSchedule):
         self._chain = 1.0
         self._moments: list[float] | None = None  # running E[n], E[t], E[n^2], E[n t] of target passes
         self.curve: list[float] | None = None  # curve[n]: a pass over n tokens in one-token passes (n >= 1)
-        self.fixed = None if curve is None else [float(c) / float(curve[0]) for c in curve]  # (n = 1, 2, ...)
+        self.fixed: list[float] | None = None if curve is None else [float(c) / float(curve[0]) for c in curve]
 
     def calibrate(self, engine: Engine) -> None:
         if self.fixed is not None:
