@@ -194,15 +194,14 @@ class CostAware(DraftSchedule):
 
     def calibrate(self, engine: Engine) -> None:
         if self.fixed is not None:
-            self.curve = [1.0]
-            for c in self.fixed:  # non-decreasing, as a measured one is made
-                self.curve.append(max(self.curve[-1], c))
-            return
-        longest = min(self.max_gamma + self.max_siblings + 1, 16)  # timing every size up to a long cap is slow
-        measured = pass_cost_curve(engine, list(range(2, longest + 1)))
+            costs = self.fixed[1:]  # passes over 2, 3, ... tokens
+        else:
+            longest = min(self.max_gamma + self.max_siblings + 1, 16)  # timing every size up to a long cap is slow
+            measured = pass_cost_curve(engine, list(range(2, longest + 1)))
+            costs = [measured[n] for n in range(2, longest + 1)]
         curve = [1.0, 1.0]
-        for n in range(2, longest + 1):  # non-decreasing: a dip is timing noise, not a cheaper pass
-            curve.append(max(curve[-1], measured[n]))
+        for c in costs:  # non-decreasing: a dip is timing noise, not a cheaper pass
+            curve.append(max(curve[-1], c))
         self.curve = curve
 
     def verify_step(self, n: int) -> float:
