@@ -113,8 +113,9 @@ def test_a_saved_draft_with_more_rows_stays_lossless(target: LoadedModel, tmp_pa
 
 @pytest.mark.parametrize("schedule", [Heuristic(gamma=2, max_gamma=8), Confidence(threshold=0.4, max_gamma=8),
                                       CostAware(max_gamma=8, cost_ratio=0.01, verify_cost=0.0),
-                                      CostAware(max_gamma=8, cost_ratio=0.01, curve=[1.0, 1.0, 1.02, 1.3, 1.6])],
-                         ids=["heuristic", "confidence", "cost_aware", "cost_aware_fixed_curve"])
+                                      CostAware(max_gamma=8, cost_ratio=0.01, curve=[1.0, 1.0, 1.02, 1.3, 1.6]),
+                                      CostAware(max_gamma=8, cost_ratio=0.01, siblings=2, follow=True)],
+                         ids=["heuristic", "confidence", "cost_aware", "cost_aware_fixed_curve", "cost_aware_follow"])
 def test_every_schedule_reproduces_greedy(target: LoadedModel, wrong_draft: LoadedModel,
                                           schedule: DraftSchedule) -> None:
     for draft in (wrong_draft, target):

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from specdec.engine.engine import Engine, pass_cost_curve
 from specdec.errors import SpecdecError
+from specdec.strategies.pass_states import PassStates
 from specdec.strategies.rate import RateMeter, SitOutGate
 
 
@@ -153,7 +154,9 @@ class CostAware(DraftSchedule):
     moved out of code and configs").
     `siblings` caps the branches per round (0: chains only). `curve`, when given, replaces the start-up
     measurement: a pass over n = 1, 2, ... tokens in one-token passes (to study a host state the start-up
-    timing did not meet; made non-decreasing, and extended past its end by its last step).
+    timing did not meet; made non-decreasing, and extended past its end by its last step). `follow`: price
+    passes from the rounds' own target times instead, one curve per speed state of the host, the start-up
+    (or given) curve only where a state has not timed a size (`specdec.strategies.pass_states`).
 
     Given an engine (`calibrate`, as the strategies do), v is not one slope but the marginal cost read
     off the target's pass-cost curve, measured at start-up: on a CPU a pass over 2 or 3 tokens costs
@@ -166,7 +169,7 @@ class CostAware(DraftSchedule):
 
     def __init__(self, max_gamma: int = 12, cost_ratio: float = 0.1, verify_cost: float = 0.1,
                  bins: int = 10, prior_weight: float = 4.0, momentum: float = 0.05, siblings: int = 0,
-                 curve: list[float] | None = None) -> None:
+                 curve: list[float] | None = None, follow: bool = False) -> None:
         if max_gamma < 1 or cost_ratio < 0 or verify_cost < 0 or bins < 1 or not 0 < momentum <= 1 or siblings < 0:
             raise SpecdecError("strategy.schedule: max_gamma >= 1, cost_ratio >= 0, verify_cost >= 0, bins >= 1, "
                                "momentum in (0, 1] and siblings >= 0 are required")
@@ -191,6 +194,8 @@ class CostAware(DraftSchedule):
         self._moments: list[float] | None = None  # running E[n], E[t], E[n^2], E[n t] of target passes
         self.curve: list[float] | None = None  # curve[n]: a pass over n tokens in one-token passes (n >= 1)
         self.fixed: list[float] | None = None if curve is None else [float(c) / float(curve[0]) for c in curve]
+        self.follow = follow
+        self.states: PassStates | None = None  # with follow: the host's speed states, from the rounds' passes
 
     def calibrate(self, engine: Engine) -> None:
         if self.fixed is not None:
@@ -203,6 +208,8 @@ class CostAware(DraftSchedule):
         for c in costs:  # non-decreasing: a dip is timing noise, not a cheaper pass
             curve.append(max(curve[-1], c))
         self.curve = curve
+        if self.follow:
+            self.states = PassStates(curve)
 
     def verify_step(self, n: int) -> float:
         """What one more token adds to a target pass over n tokens, in one-token passes."""
@@ -261,6 +268,9 @@ class CostAware(DraftSchedule):
             self.second_tries[b] += 1
             self.second_hits[b] += float(hit)
         m = self.momentum
+        if self.states is not None and self.curve is not None and stats.target_s > 0:
+            self.states.observe(1 + stats.verified, stats.target_s)
+            self.curve = self.states.curve(len(self.curve) - 1) or self.curve
         if stats.drafted and stats.target_s > 0:
             step = self._one_token_step(stats.verified + 1, stats.target_s)
             self.cost = (1 - m) * self.cost + m * (stats.draft_s / stats.drafted) / step
