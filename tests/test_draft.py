@@ -123,6 +123,8 @@ def test_every_schedule_reproduces_greedy(target: LoadedModel, wrong_draft: Load
         for text in PROMPTS:
             prompt = prompt_ids(target, text)
             assert strategy.generate(prompt, GenerationParams(30), 0).output_ids == greedy_ids(target, prompt, 30)
+    if isinstance(schedule, CostAware) and schedule.follow:  # the rounds' passes priced the drafts, not the start-up
+        assert schedule.states is not None and schedule.states.passes > 0
 
 
 def test_caches_match_recomputation_after_rejections(target: LoadedModel, wrong_draft: LoadedModel) -> None:

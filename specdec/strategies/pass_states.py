@@ -23,6 +23,12 @@ from dataclasses import dataclass, field
 from specdec.errors import SpecdecError
 
 
+def curve_at(curve: list[float], n: int) -> float:
+    """A pass-cost curve's entry for n tokens (curve[n], n >= 1), extended past its end by its last step."""
+    last = len(curve) - 1
+    return curve[min(n, last)] + max(0, n - last) * (curve[last] - curve[last - 1])
+
+
 @dataclass
 class SpeedState:
     """One speed state: running seconds of a pass over n tokens, with how many passes each holds."""
@@ -64,17 +70,13 @@ class PassStates:
         self.lost = 0  # passes since the current state last explained the recent ones
         self.passes = 0
 
-    def _prior(self, n: int) -> float:
-        last = len(self.prior) - 1
-        return self.prior[min(n, last)] + max(0, n - last) * (self.prior[last] - self.prior[last - 1])
-
     def predict(self, state: SpeedState, n: int) -> float:
         """Seconds of a pass over n tokens in `state`: its fitted time, else the nearest fitted size's scaled by
         the prior curve."""
         if n in state.fitted:
             return state.fitted[n]
         m = min(state.fitted, key=lambda k: (abs(k - n), k))
-        return state.fitted[m] * self._prior(n) / self._prior(m)
+        return state.fitted[m] * curve_at(self.prior, n) / curve_at(self.prior, m)
 
     def observe(self, n: int, seconds: float) -> None:
         """A target pass over n tokens took `seconds`."""
@@ -82,7 +84,7 @@ class PassStates:
             return
         self.passes += 1
         if self.current is None:
-            self.current = self._new(n, seconds, 1.0)
+            self.current = self._new(n, seconds)
             return
         for s in self.states:  # each state's recent bias: single passes scatter too much to judge by
             s.drift = (1 - self.recency) * s.drift + self.recency * math.log(seconds / self.predict(s, n))
@@ -100,11 +102,13 @@ class PassStates:
         if self.lost >= self.wait:  # no state has explained the recent passes: a new one, shaped like the last
             if len(self.states) == self.limit:
                 self.states.remove(min(self.states, key=lambda s: s.last_used))
-            self.current, self.lost = self._new(n, seconds, math.exp(now.drift), now), 0
+            self.current, self.lost = self._new(n, seconds, now), 0
 
-    def _new(self, n: int, seconds: float, scale: float, like: SpeedState | None = None) -> SpeedState:
+    def _new(self, n: int, seconds: float, like: SpeedState | None = None) -> SpeedState:
+        """A state from this pass; from `like`, its times shifted by its drift are guesses until timed."""
+        scale = math.exp(like.drift) if like else 1.0
         state = SpeedState({k: t * scale for k, t in like.times.items()} if like else {},
-                           dict.fromkeys(like.times, 0) if like else {})  # guesses until timed
+                           dict.fromkeys(like.times, 0) if like else {})
         self.states.append(state)
         self._add(state, n, seconds)
         return state
@@ -139,7 +143,7 @@ class PassStates:
             return None
         state = self.current
         base = max(state.fitted, key=lambda n: (state.counts.get(n, 0), -n))
-        one = state.fitted[base] * self._prior(1) / self._prior(base)
+        one = state.fitted[base] * curve_at(self.prior, 1) / curve_at(self.prior, base)
         out = [1.0, 1.0]
         for n in range(2, longest + 1):
             out.append(max(out[-1], self.predict(state, n) / one))

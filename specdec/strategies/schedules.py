@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from specdec.engine.engine import Engine, pass_cost_curve
 from specdec.errors import SpecdecError
-from specdec.strategies.pass_states import PassStates
+from specdec.strategies.pass_states import PassStates, curve_at
 from specdec.strategies.rate import RateMeter, SitOutGate
 
 
@@ -215,17 +215,13 @@ class CostAware(DraftSchedule):
         """What one more token adds to a target pass over n tokens, in one-token passes."""
         if self.curve is None:
             return self.verify_cost
-        last = len(self.curve) - 1
-        if n >= last:  # past the measured sizes: the last measured step
-            return self.curve[last] - self.curve[last - 1]
-        return self.curve[n + 1] - self.curve[n]
+        return curve_at(self.curve, n + 1) - curve_at(self.curve, n)  # past the measured sizes: their last step
 
     def pass_cost(self, n: int) -> float:
         """A target pass over n tokens, in one-token passes."""
         if self.curve is None:
             return 1 + self.verify_cost * (n - 1)
-        last = len(self.curve) - 1
-        return self.curve[min(n, last)] + max(0, n - last) * self.verify_step(last)
+        return curve_at(self.curve, n)
 
     def _bin(self, p: float) -> int:
         return min(int(p * len(self.tries)), len(self.tries) - 1)
