@@ -404,3 +404,33 @@ def test_state_curves_takes_each_sizes_median_ratio_and_never_falls() -> None:
     assert curve[15] == pytest.approx(2.5)
     timings = [{n: 0.01 * (1.0 if n != 4 else 0.9) for n in script.SIZES}] * 3
     assert script.state_curve(timings)[3] == 1.0  # a dip below the size before it is lifted
+
+
+def test_schedule_calibration_logs_each_strategys_rounds_and_tables_them(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    script = _script("schedule_calibration")
+    # the tiny model drafting for itself under the cost-aware schedule: every drafted token is the target's own
+    monkeypatch.setattr("sys.argv", ["schedule_calibration.py"])
+    log = tmp_path / "rounds.jsonl"
+    script.record(log, ["model=tiny-llama", "data.limit=1", "generation.max_new_tokens=12", "warmup=0",
+                        "strategies=[greedy,draft_lm]", "strategies.draft_lm.draft.path=builtin:tiny-llama",
+                        "strategies.draft_lm.draft.matmul=torch",
+                        "strategies.draft_lm.schedule._target_=specdec.strategies.schedules.CostAware",
+                        "~strategies.draft_lm.schedule.gamma",
+                        f"hydra.run.dir={tmp_path / 'run'}"])
+    rounds = [json.loads(line) for line in log.read_text().splitlines()]
+    assert rounds and {r["strategy"] for r in rounds} == {"draft_lm"}  # greedy keeps no schedule
+    assert all(r["accepted"] == r["drafted"] >= 1 for r in rounds)
+    from specdec.strategies import base, schedules
+    assert "record" not in repr(base.SpeculativeStrategy.generate) + repr(schedules.CostAware.update)  # restored
+    # tables: two rounds, confidences 0.9 then 0.1 at depth 1-2; the first accepts both, the second none
+    log.write_text("".join(json.dumps(r) + "\n" for r in [
+        {"strategy": "a", "confidences": [0.9, 0.1], "accepted": 2, "drafted": 2, "siblings": 1, "draft_s": 0.002},
+        {"strategy": "a", "confidences": [0.1, 0.9], "accepted": 0, "drafted": 2, "siblings": 0, "draft_s": 0.004}]))
+    script.tables(log)
+    out = capsys.readouterr().out
+    assert "a: 2 rounds, 2.00 chain tokens and 0.50 second choices a round; drafting ms a round by tokens " \
+           "drafted: 2: 3.00" in out
+    # depth 1: one 0.1 token rejected, one 0.9 accepted; depth 2: the 0.1 token accepted, the 0.9 one untested
+    assert "| 1 | 1, 0.10, 0.00 | - | - | - | 1, 0.90, 1.00 |" in out
+    assert "| 2 | 1, 0.10, 1.00 | - | - | - | - |" in out
