@@ -177,6 +177,27 @@ def test_cost_aware_schedule() -> None:
     assert calib.cost == pytest.approx(0.05, rel=0.1)  # measured draft/target time ratio
 
 
+def test_cost_aware_calibrates_each_chain_depth_apart_when_asked() -> None:
+    # Rounds of two tokens at confidence 0.3: the first accepted a fifth of the time, the second (reached only
+    # after the first) always. One table blends the two; depths=2 learns each.
+    pooled, by_depth = CostAware(cost_ratio=0.1, verify_cost=0.0), CostAware(cost_ratio=0.1, verify_cost=0.0, depths=2)
+    for i in range(500):
+        for sched in (pooled, by_depth):
+            sched.update(RoundStats(2, 2 if i % 5 == 0 else 0, [0.3, 0.3], 0.001, 0.02))
+    assert by_depth.accept_prob(0.3, 0) == pytest.approx(0.2, abs=0.02)
+    assert by_depth.accept_prob(0.3, 1) > 0.95 and by_depth.accept_prob(0.3, 5) == by_depth.accept_prob(0.3, 1)
+    assert pooled.accept_prob(0.3, 1) == pooled.accept_prob(0.3, 0) == pytest.approx(1 / 3, abs=0.03)
+    for sched in (pooled, by_depth):
+        sched.length()
+        sched.rate, sched.cost = 1.0, 0.08  # a draft step at 0.08 of a target step, verification free
+    # the second token: 0.2 x 0.98 (by depth) and 0.33 x 0.33 (pooled) both pay for a step
+    assert pooled.keep_drafting(1, 0.3) and by_depth.keep_drafting(1, 0.3)
+    # the third token: 0.2 x 0.98 x 0.98 = 0.19 pays, 0.33^3 = 0.04 does not
+    assert by_depth.keep_drafting(2, 0.3) and not pooled.keep_drafting(2, 0.3)
+    with pytest.raises(SpecdecError, match="depths >= 1"):
+        CostAware(depths=0)
+
+
 def test_cost_aware_reads_marginal_costs_off_the_pass_curve() -> None:
     sched = CostAware(cost_ratio=0.05, siblings=2)
     sched.curve = [1.0, 1.0, 1.0, 1.02, 1.10, 1.18]  # a CPU's: 2-3 tokens as cheap as one, then ~0.08 each

@@ -152,6 +152,9 @@ class CostAware(DraftSchedule):
     added iff that beats R v, the second choice's odds calibrated like the chain's (a scratch check found
     the second choice the target's token far less often than the first; experiments/README.md, "Figures
     moved out of code and configs").
+    `depths` > 1 keeps a calibration table per chain depth (1, 2, ..., `depths` and deeper), each with the same
+    prior: a token reached only after the ones before it were accepted may be surer than its confidence says
+    (experiments/schedule_calibration.py measures it).
     `siblings` caps the branches per round (0: chains only). `curve`, when given, replaces the start-up
     measurement: a pass over n = 1, 2, ... tokens in one-token passes (to study a host state the start-up
     timing did not meet; made non-decreasing, and extended past its end by its last step). `follow`: price
@@ -169,10 +172,11 @@ class CostAware(DraftSchedule):
 
     def __init__(self, max_gamma: int = 12, cost_ratio: float = 0.1, verify_cost: float = 0.1,
                  bins: int = 10, prior_weight: float = 4.0, momentum: float = 0.05, siblings: int = 0,
-                 curve: list[float] | None = None, follow: bool = False) -> None:
-        if max_gamma < 1 or cost_ratio < 0 or verify_cost < 0 or bins < 1 or not 0 < momentum <= 1 or siblings < 0:
+                 curve: list[float] | None = None, follow: bool = False, depths: int = 1) -> None:
+        if (max_gamma < 1 or cost_ratio < 0 or verify_cost < 0 or bins < 1 or not 0 < momentum <= 1 or siblings < 0
+                or depths < 1):
             raise SpecdecError("strategy.schedule: max_gamma >= 1, cost_ratio >= 0, verify_cost >= 0, bins >= 1, "
-                               "momentum in (0, 1] and siblings >= 0 are required")
+                               "momentum in (0, 1], siblings >= 0 and depths >= 1 are required")
         numbers = curve is not None and not isinstance(curve, str) and all(
             isinstance(c, (int, float)) and not isinstance(c, bool) and c > 0 for c in curve)
         if curve is not None and (not numbers or len(curve) < 2):
@@ -183,12 +187,12 @@ class CostAware(DraftSchedule):
         self.cost = cost_ratio  # c
         self.verify_cost = verify_cost  # v
         self.momentum = momentum
-        # Calibration counts per confidence bin, the bin's center as prior: host floats, as the confidences
-        # they are read with (a tensor here would be one more thing to keep on the target's device).
-        self.hits = [(b + 0.5) / bins * prior_weight for b in range(bins)]
-        self.tries = [float(prior_weight)] * bins
-        self.second_hits = list(self.hits)  # the same calibration for the drafter's second choices
-        self.second_tries = list(self.tries)
+        # Calibration counts per chain depth and confidence bin, the bin's center as prior: host floats, as the
+        # confidences they are read with (a tensor here would be one more thing to keep on the target's device).
+        self.hits = [[(b + 0.5) / bins * prior_weight for b in range(bins)] for _ in range(depths)]
+        self.tries = [[float(prior_weight)] * bins for _ in range(depths)]
+        self.second_hits = list(self.hits[0])  # the same calibration for the drafter's second choices (one table)
+        self.second_tries = list(self.tries[0])
         self.rate = 1.0  # R: tokens per unit, autoregressive to start with
         self._chain = 1.0
         self._moments: list[float] | None = None  # running E[n], E[t], E[n^2], E[n t] of target passes
@@ -224,11 +228,12 @@ class CostAware(DraftSchedule):
         return curve_at(self.curve, n)
 
     def _bin(self, p: float) -> int:
-        return min(int(p * len(self.tries)), len(self.tries) - 1)
+        return min(int(p * len(self.second_tries)), len(self.second_tries) - 1)
 
-    def accept_prob(self, confidence: float) -> float:
-        b = self._bin(confidence)
-        return self.hits[b] / self.tries[b]
+    def accept_prob(self, confidence: float, depth: int = 0) -> float:
+        """P(the target accepts a chain token at `depth` (0: the first), given the ones before it were)."""
+        d, b = min(depth, len(self.tries) - 1), self._bin(confidence)
+        return self.hits[d][b] / self.tries[d][b]
 
     def second_prob(self, second: float) -> float:
         b = self._bin(second)
@@ -239,8 +244,8 @@ class CostAware(DraftSchedule):
         return self.max_gamma
 
     def keep_drafting(self, drafted: int, confidence: float) -> bool:
-        a = self.accept_prob(confidence)
-        self._chain *= a
+        self._chain *= self.accept_prob(confidence, drafted - 1)
+        a = self.accept_prob(confidence, drafted)  # the next token's odds, read off this one's confidence
         return self._chain * a > self.rate * (self.cost + self.verify_step(1 + drafted))
 
     def branches(self, confidences: list[float], seconds: list[float], room: int) -> list[int]:
@@ -251,14 +256,14 @@ class CostAware(DraftSchedule):
                 break
             if reach * self.second_prob(second) > self.rate * self.verify_step(1 + len(confidences) + len(out)):
                 out.append(depth)
-            reach *= self.accept_prob(conf)
+            reach *= self.accept_prob(conf, depth)
         return out
 
     def update(self, stats: RoundStats) -> None:
         for i, conf in enumerate(stats.confidences[:stats.accepted + 1]):  # after the first rejection: untested
-            b = self._bin(conf)
-            self.tries[b] += 1
-            self.hits[b] += float(i < stats.accepted)
+            d, b = min(i, len(self.tries) - 1), self._bin(conf)
+            self.tries[d][b] += 1
+            self.hits[d][b] += float(i < stats.accepted)
         for second, hit in stats.seconds:
             b = self._bin(second)
             self.second_tries[b] += 1
