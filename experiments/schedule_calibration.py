@@ -12,23 +12,27 @@ Runs `python -m specdec.run` with the given Hydra overrides while logging every 
         'data.path=${specdec.repo:experiments/heldapart/human_heldapart.jsonl}' "strategies=[greedy,draft,eagle]"
 
 The first argument is where the rounds are written (jsonl); the run's own results go where the overrides say.
-Warm-up turns are logged too. A benchmark of a kind: run it on an idle machine.
+Warm-up turns are logged too. A benchmark of a kind: run it on an idle machine. `--tables ROUNDS.jsonl[.gz]`
+prints the tables of rounds logged before (the committed runs keep theirs as rounds.jsonl.gz).
 """
 
 from __future__ import annotations
 
+import gzip
 import json
 import sys
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
+ROOT = Path(__file__).resolve().parent.parent
 BINS = 5  # confidence bins of 0.2
 DEPTHS = 4  # the last row holds depth 4 and deeper
 
 
 def record(log_path: Path, overrides: list[str]) -> None:
     """Run specdec.run under `overrides`, appending one json line per round each CostAware schedule learns from."""
+    sys.path.insert(0, str(ROOT))  # this checkout's specdec, not whichever one the environment installed
     from specdec import run
     from specdec.strategies import base, schedules
 
@@ -59,7 +63,7 @@ def record(log_path: Path, overrides: list[str]) -> None:
 
 def tables(log_path: Path) -> None:
     rounds: dict[str, list[dict[str, Any]]] = defaultdict(list)
-    for text in log_path.open():
+    for text in (gzip.open(log_path, "rt") if log_path.suffix == ".gz" else log_path.open()):
         row = json.loads(text)
         rounds[row["strategy"]].append(row)
     for name, rows in rounds.items():
@@ -92,7 +96,11 @@ def tables(log_path: Path) -> None:
 
 def main() -> None:
     if len(sys.argv) < 2:
-        raise SystemExit("usage: python experiments/schedule_calibration.py ROUNDS.jsonl [specdec.run overrides]")
+        raise SystemExit("usage: python experiments/schedule_calibration.py ROUNDS.jsonl [specdec.run overrides] "
+                         "| --tables ROUNDS.jsonl[.gz]")
+    if sys.argv[1] == "--tables" and len(sys.argv) == 3:
+        tables(Path(sys.argv[2]))
+        return
     log_path = Path(sys.argv[1]).resolve()  # before Hydra can change the working directory
     record(log_path, sys.argv[2:])
     tables(log_path)

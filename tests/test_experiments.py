@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gzip
 import importlib.util
 import json
 from collections import Counter
@@ -434,3 +435,8 @@ def test_schedule_calibration_logs_each_strategys_rounds_and_tables_them(
     # depth 1: one 0.1 token rejected, one 0.9 accepted; depth 2: the 0.1 token accepted, the 0.9 one untested
     assert "| 1 | 1, 0.10, 0.00 | - | - | - | 1, 0.90, 1.00 |" in out
     assert "| 2 | 1, 0.10, 1.00 | - | - | - | - |" in out
+    with gzip.open(tmp_path / "rounds.jsonl.gz", "wt") as f:  # the committed runs keep their rounds compressed
+        f.write(log.read_text())
+    monkeypatch.setattr("sys.argv", ["schedule_calibration.py", "--tables", str(tmp_path / "rounds.jsonl.gz")])
+    script.main()
+    assert "| 1 | 1, 0.10, 0.00 | - | - | - | 1, 0.90, 1.00 |" in capsys.readouterr().out
