@@ -14,6 +14,9 @@ Key = tuple[str, str, int, int]
 
 # Written beside answers.jsonl: what answers in this folder depend on, checked when a run resumes.
 RESUME_FILE = "resume_key.json"
+# And the code state (commit, dirty) of every run that added answers, so that a resumed folder's summary names
+# the code its answers came from rather than only the last run's.
+CODE_FILE = "code_states.json"
 
 
 class AnswerLog:
@@ -132,6 +135,39 @@ def check_resume_key(out_dir: Path, key: dict[str, Any], has_answers: bool) -> N
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(json.dumps(old | key, indent=2, sort_keys=True, default=str))
     os.replace(tmp, path)
+
+
+def code_states(out_dir: Path, commit: str | None, dirty: bool | None, adds: bool,
+                has_answers: bool) -> list[dict[str, Any]]:
+    """Every code state that wrote answers in out_dir, this run's appended when it `adds` answers. Answers
+    already there with no record (a folder from before the record) count as an unknown state."""
+    path = out_dir / CODE_FILE
+    states: Any = None
+    if path.is_file():
+        try:
+            states = json.loads(path.read_text())
+        except json.JSONDecodeError:
+            states = None
+    if not isinstance(states, list):
+        states = [{"commit": None, "dirty": None}] if has_answers else []
+    state = {"commit": commit, "dirty": dirty}
+    if adds and state not in states:
+        states.append(state)
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(json.dumps(states, indent=2))
+        os.replace(tmp, path)
+    return states
+
+
+def answers_code(states: list[dict[str, Any]], commit: str | None, dirty: bool | None) -> dict[str, Any]:
+    """The summary's `commit` and `dirty` for answers written under `states`: that state where there is one; where
+    several runs at different states wrote them, the last one's commit, `dirty` true (no one clean commit made
+    them all) and every state under `code_states`. No states (nothing written yet): this run's."""
+    if not states:
+        return {"commit": commit, "dirty": dirty}
+    if len(states) == 1:
+        return dict(states[0])
+    return {"commit": states[-1]["commit"], "dirty": True, "code_states": states}
 
 
 def earlier_strategy_configs(out_dir: Path, names: set[str]) -> dict[str, dict[str, Any]]:

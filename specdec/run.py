@@ -38,9 +38,9 @@ from specdec.engine.sampling import SamplingParams
 from specdec.errors import SpecdecError
 from specdec.metrics import add_speedup_ci, lossless, summarize
 from specdec.models.loader import LoadedModel
-from specdec.provenance import environment, kernel_target, peak_rss_mb
+from specdec.provenance import environment, git_state, kernel_target, peak_rss_mb
 from specdec.resolvers import repo_relative
-from specdec.results import AnswerLog, check_resume_key, earlier_strategy_configs
+from specdec.results import AnswerLog, answers_code, check_resume_key, code_states, earlier_strategy_configs
 from specdec.specbench import add_specbench_speedup
 from specdec.strategies.base import GenerationParams, Strategy
 
@@ -304,6 +304,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     check_resume_key(out_dir, resume_key(cfg, strategy_cfgs), has_answers=log.count() > 0)
     repeats = int(cfg.repeats)
     pending = _pending(log, names, questions, repeats)
+    states = code_states(out_dir, *git_state(), adds=pending > 0, has_answers=log.count() > 0)
 
     target: LoadedModel = build(cfg.model)
     params = dataclasses.replace(params, eos_ids=target.eos_ids)
@@ -380,6 +381,8 @@ def run(cfg: DictConfig) -> dict[str, Any]:
             config["environment"] |= kernel_target(target)  # a drafter may have compiled kernels since
             config["environment"]["pass_cost_curves"] = measured_curves(target.model)  # what drafts were sized by
             summary["environment"] = config["environment"]
+            summary["environment"] |= answers_code(states, config["environment"]["commit"],
+                                                   config["environment"]["dirty"])
             add_provenance(summary, ran | earlier_strategy_configs(out_dir, set(summary["strategies"]) - set(ran)),
                            params.sampling.temperature)
             summary["failures"] = failures

@@ -87,6 +87,32 @@ def test_resume_refuses_other_settings(tmp_path: Path) -> None:
     assert Counter(r["strategy"] for r in read_answers(out)) == {"greedy": 2, "hf_generate": 2}
 
 
+def test_a_resumed_folder_names_the_code_its_answers_came_from(tmp_path: Path,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    data = write_questions(tmp_path / "q.jsonl", 2)
+    out = tmp_path / "out"
+    overrides = ("data=jsonl", f"data.path={data}")
+    state = {"now": ("a" * 40, True)}  # the code a run sees: (commit, dirty)
+    monkeypatch.setattr(runner, "git_state", lambda: state["now"])
+    monkeypatch.setattr("specdec.provenance.git_state", lambda: state["now"])
+    env = run(make_cfg(out, *overrides))["environment"]
+    assert (env["commit"], env["dirty"]) == ("a" * 40, True) and "code_states" not in env
+    state["now"] = ("b" * 40, False)  # committed since; nothing left to answer: the answers are still a's
+    env = run(make_cfg(out, *overrides))["environment"]
+    assert (env["commit"], env["dirty"]) == ("a" * 40, True)
+    # answers added by the clean run join dirty ones: no one clean commit made them all
+    env = run(make_cfg(out, *overrides, "strategies=[greedy,hf_generate]"))["environment"]
+    assert (env["commit"], env["dirty"]) == ("b" * 40, True)
+    assert env["code_states"] == [{"commit": "a" * 40, "dirty": True}, {"commit": "b" * 40, "dirty": False}]
+    # a fresh folder at one clean state says so
+    env = run(make_cfg(tmp_path / "fresh", *overrides))["environment"]
+    assert (env["commit"], env["dirty"]) == ("b" * 40, False)
+    # answers from before states were recorded count as unknown code
+    (tmp_path / "fresh" / "code_states.json").unlink()
+    env = run(make_cfg(tmp_path / "fresh", *overrides, "strategies=[greedy,hf_generate]"))["environment"]
+    assert env["dirty"] is True and env["code_states"][0] == {"commit": None, "dirty": None}
+
+
 def test_ctrl_c_then_resume_ends_with_each_answer_once(tmp_path: Path) -> None:
     n = 200  # enough that the run cannot finish before the signal lands, even on a loaded machine
     data = write_questions(tmp_path / "q.jsonl", n)
