@@ -5,7 +5,7 @@ Runs `python -m specdec.run` with the given Hydra overrides while logging every 
 - for each depth of the chain (4 = 4 and deeper) and confidence bin, the tokens the target tested (those up to the
   first rejection), their mean confidence and the fraction it accepted: a calibrated drafter has the two equal;
 - second choices verified a round (the schedule's `siblings` caps them);
-- the mean drafting time of the rounds that drafted 1, 2, ... tokens: the first holds the catch-up pass over the
+- the median drafting time of the rounds that drafted 1, 2, ... tokens: the first holds the catch-up pass over the
   last round's tokens, each step after it what one more drafted token costs.
 
     python experiments/schedule_calibration.py /tmp/rounds.jsonl experiment=heldapart \\
@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import statistics
 import sys
 from collections import defaultdict
 from pathlib import Path
@@ -77,7 +78,8 @@ def tables(log_path: Path) -> None:
         by_length: dict[int, list[float]] = defaultdict(list)
         for r in rows:
             by_length[min(r["drafted"], 6)].append(1e3 * r["draft_s"])
-        times = ", ".join(f"{k}{'+' if k == 6 else ''}: {sum(v) / len(v):.2f}" for k, v in sorted(by_length.items()))
+        times = ", ".join(f"{k}{'+' if k == 6 else ''}: {statistics.median(v):.2f}"
+                          for k, v in sorted(by_length.items()))
         siblings = sum(r["siblings"] for r in rows) / len(rows)
         drafted = sum(r["drafted"] for r in rows) / len(rows)
         print(f"\n{name}: {len(rows)} rounds, {drafted:.2f} chain tokens and {siblings:.2f} second choices a round; "
