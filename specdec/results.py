@@ -119,12 +119,7 @@ def check_resume_key(out_dir: Path, key: dict[str, Any], has_answers: bool) -> N
     in one summary.
     """
     path = out_dir / RESUME_FILE
-    old: Any = None
-    if path.is_file():
-        try:
-            old = json.loads(path.read_text())
-        except json.JSONDecodeError:
-            old = None
+    old = _read_json(path)
     old = old if isinstance(old, dict) and has_answers else {}
     # Only settings both runs name are compared: adding a strategy to a finished run is fine.
     diff = sorted(k for k in set(old) & set(key) if old[k] != key[k])
@@ -132,8 +127,21 @@ def check_resume_key(out_dir: Path, key: dict[str, Any], has_answers: bool) -> N
         shown = ", ".join(f"{k}: {old[k]!r} then, {key[k]!r} now" for k in diff[:3])
         raise SpecdecError(f"output_dir {out_dir} holds answers made with other settings ({shown}); use a new "
                            "output_dir, or that run's settings to resume it")
+    _write_json(path, old | key)
+
+
+def _read_json(path: Path) -> Any:
+    """A folder's small JSON record, or None where it is missing or torn."""
+    try:
+        return json.loads(path.read_text()) if path.is_file() else None
+    except json.JSONDecodeError:
+        return None
+
+
+def _write_json(path: Path, obj: Any) -> None:
+    """Replace a folder's small JSON record whole (a kill mid-write leaves the old one)."""
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(old | key, indent=2, sort_keys=True, default=str))
+    tmp.write_text(json.dumps(obj, indent=2, sort_keys=True, default=str))
     os.replace(tmp, path)
 
 
@@ -142,20 +150,13 @@ def code_states(out_dir: Path, commit: str | None, dirty: bool | None, adds: boo
     """Every code state that wrote answers in out_dir, this run's appended when it `adds` answers. Answers
     already there with no record (a folder from before the record) count as an unknown state."""
     path = out_dir / CODE_FILE
-    states: Any = None
-    if path.is_file():
-        try:
-            states = json.loads(path.read_text())
-        except json.JSONDecodeError:
-            states = None
+    states = _read_json(path)
     if not isinstance(states, list):
         states = [{"commit": None, "dirty": None}] if has_answers else []
     state = {"commit": commit, "dirty": dirty}
     if adds and state not in states:
         states.append(state)
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(json.dumps(states, indent=2))
-        os.replace(tmp, path)
+        _write_json(path, states)
     return states
 
 
