@@ -174,11 +174,7 @@ def answers_code(states: list[dict[str, Any]], commit: str | None, dirty: bool |
 def earlier_strategy_configs(out_dir: Path, names: set[str]) -> dict[str, dict[str, Any]]:
     """Configs of strategies answered in out_dir by an earlier run (a resumed folder can hold strategies
     this run did not name), rebuilt from the dotted `strategy.NAME.*` keys of its resume key."""
-    path = out_dir / RESUME_FILE
-    try:
-        key = json.loads(path.read_text()) if names and path.is_file() else {}
-    except json.JSONDecodeError:
-        return {}
+    key = _read_json(out_dir / RESUME_FILE) if names else None
     out: dict[str, dict[str, Any]] = {}
     for dotted, value in key.items() if isinstance(key, dict) else ():
         root, _, rest = dotted.partition(".")

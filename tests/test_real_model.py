@@ -60,18 +60,22 @@ def test_smollm2_logits_match_transformers() -> None:
 def test_shipped_drafters_reproduce_greedy(tmp_path: Path) -> None:
     """The committed draft (cost-aware schedule with second choices), Medusa-1 heads (tuned tree), Hydra's
     heads (dynamic tree) alone and with the copy branch and the EAGLE drafter (chains and EAGLE-2 trees), as
-    configured by default (int8 weights in the CPU kernels), alone and behind prompt lookup (draft_lookup)."""
+    configured by default (int8 weights in the CPU kernels), alone and behind prompt lookup (draft_lookup); and
+    EAGLE's chains with a calibration table per depth (eagle_d3: deep chains a tiny random drafter never drafts)."""
     data = tmp_path / "questions.jsonl"
     questions = ["Write a Python function that returns the sum of a list.", "What is 17 times 3?"]
     data.write_text("".join(json.dumps({"question_id": i, "category": "qa", "turns": [q]}) + "\n"
                             for i, q in enumerate(questions)))
     with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base=None):
         cfg = compose("run", overrides=["model=smollm2-135m",
-                                        "strategies=[greedy,draft,medusa,hydra,hydra_copy,eagle,eagle2,draft_lookup]",
+                                        "strategies=[greedy,draft,medusa,hydra,hydra_copy,eagle,eagle2,draft_lookup,"
+                                        "eagle_d3]", "+strategy@strategy_configs.eagle_d3=eagle",
+                                        "strategy_configs.eagle_d3.name=eagle_d3",
+                                        "strategy_configs.eagle_d3.schedule.depths=3",
                                         "data=jsonl", f"data.path={data}", "generation.max_new_tokens=48", "warmup=0",
                                         f"output_dir={tmp_path / 'out'}"])
     summary = run(cfg)
-    for name in ("draft", "medusa", "hydra", "hydra_copy", "eagle", "eagle2", "draft_lookup"):
+    for name in ("draft", "medusa", "hydra", "hydra_copy", "eagle", "eagle2", "draft_lookup", "eagle_d3"):
         s = summary["strategies"][name]
         assert s["matches_baseline"] == 1.0, name
         assert s["mean_accepted_tokens"] > 1.0, name  # the trained drafters do get tokens accepted

@@ -184,6 +184,7 @@ class CostAware(DraftSchedule):
                                "2, ... tokens in one-token passes (e.g. [1.0,1.07,1.10]), or null to time them")
         self.max_gamma = max_gamma
         self.max_siblings = siblings
+        self.bins = bins
         self.cost = cost_ratio  # c
         self.verify_cost = verify_cost  # v
         self.momentum = momentum
@@ -228,7 +229,7 @@ class CostAware(DraftSchedule):
         return curve_at(self.curve, n)
 
     def _bin(self, p: float) -> int:
-        return min(int(p * len(self.second_tries)), len(self.second_tries) - 1)
+        return min(int(p * self.bins), self.bins - 1)
 
     def accept_prob(self, confidence: float, depth: int = 0) -> float:
         """P(the target accepts a chain token at `depth` (0: the first), given the ones before it were)."""
