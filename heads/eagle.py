@@ -39,6 +39,7 @@ from heads.draft_model import (
     target_embedding,
     target_head,
 )
+from heads.head_loss import head_loss, target_distribution
 from specdec.errors import SpecdecError
 from specdec.models.llama import SUPPORTED_TYPES, Llama, LlamaArgs, PassThroughNorm, rope_inv_freq
 from specdec.models.loader import LoadedModel
@@ -154,13 +155,14 @@ class EagleTrainModule(nn.Module):
         super().__init__()
         self.net = net
 
-    def forward(self, tokens: Tensor, features: Tensor) -> tuple[Tensor, Tensor]:
+    def forward(self, tokens: Tensor, features: Tensor) -> Tensor:
+        """Guessed features (B, T, D), no logits: the loss reads them through the head in chunks (head_loss)."""
         from heads.batches import NoCache
 
         B, T = tokens.shape
         pos = torch.arange(T, device=tokens.device).expand(B, T)
         causal = torch.ones(T, T, dtype=torch.bool, device=tokens.device).tril()[None, None]  # (1, 1, T, T)
-        return self.net(tokens, features, pos, NoCache(), causal)
+        return self.net(tokens, features, pos, NoCache(), causal, logits_from=T)[1]
 
 
 class EagleTrainable:
@@ -195,6 +197,7 @@ class EagleTrainable:
         self.kept_ids: Tensor | None = None
         self.to_kept: Tensor | None = None  # (V,) target id -> kept row, -1 if not kept
         self.start_minutes: float | None = None  # training minutes behind init_from's drafter (None: unknown)
+        self._target_buffer: Tensor | None = None  # the target's (N, K) probabilities, reused step to step
 
     def build(self, target: LoadedModel, data: Any) -> nn.Module:
         self.target = target
@@ -250,29 +253,28 @@ class EagleTrainable:
         valid = batch["attention_mask"][:, 1:].bool()
         if not valid.any():
             return feats.sum() * 0.0, {"reg": 0.0, "kl": 0.0, "acc": 0.0}
-        nxt = h[:, 1:][valid]
+        nxt = h[:, 1:][valid]  # (N, D) the target's h_{t+1} for each real pair t
         head = module.net.lm_head.weight if hasattr(module, "net") else module.module.net.lm_head.weight
-        p_log = F.log_softmax(F.linear(nxt, head.float()), -1)
+        small = self.to_kept.to(labels.device)[labels[:, 1:].clamp_min(0)][valid]  # (N,) kept row of x_{t+2}, -1: none
+        scored = (labels[:, 1:][valid] >= 0) & (small >= 0)  # the continuation's tokens the drafter can propose
+        every = torch.ones_like(scored)
+        target = target_distribution(nxt, head, self._target_buffer)  # once for every unrolled pass
+        self._target_buffer = target.buffer
         loss = feats.new_zeros(())
         logs: dict[str, float] = {}
-        step_logits: list[Tensor] = []
         for step in range(self.unroll):
             # step 1: pair t on the target's h_t; step s > 1: on the guess of h_t made at step s - 1 by pair
             # t - 1, as drafting feeds its own guesses back (pair 0 keeps its real feature)
-            logits, guess = module(ids[:, 1:], feats)  # (B, T-1, K), (B, T-1, D): pair t predicts h_{t+1}, x_{t+2}
+            guess = module(ids[:, 1:], feats)  # (B, T-1, D): pair t's guess of h_{t+1}, whose head scores x_{t+2}
             reg = F.smooth_l1_loss(guess[valid].float(), nxt)
-            kl = F.kl_div(F.log_softmax(logits[valid].float(), -1), p_log, log_target=True, reduction="batchmean")
+            # KL(target || drafter) over the kept rows at every real pair; the cross-entropy is unused (only
+            # its hit count, the agreement with the target's continuation, is logged)
+            _, kl, hits = head_loss(guess[valid], head, small, target, scored, every, top=1)
             loss = loss + (self.reg_weight * reg + self.kl_weight * kl) / self.unroll
             suffix = "" if step == 0 else f"{step + 1}"
-            logs |= {f"reg{suffix}": float(reg.detach()), f"kl{suffix}": float(kl.detach())}
-            step_logits.append(logits.detach())
+            logs |= {f"reg{suffix}": float(reg.detach()), f"kl{suffix}": float(kl.detach()),
+                     f"acc{suffix}": float(hits[0]) / max(1, int(scored.sum()))}
             feats = torch.cat([feats[:, :1], guess[:, :-1]], 1)
-        with torch.no_grad():  # agreement with the target's continuation, on the tokens the drafter can propose
-            small = self.to_kept.to(labels.device)[labels[:, 1:].clamp_min(0)]
-            scored = (labels[:, 1:] >= 0) & (small >= 0)
-            for step, logits in enumerate(step_logits):
-                hit = logits.argmax(-1)[scored] == small[scored]
-                logs[f"acc{'' if step == 0 else step + 1}"] = float(hit.float().mean()) if scored.any() else 0.0
         return loss, logs
 
     def save(self, module: nn.Module, out_dir: Path, meta: dict[str, Any]) -> None:

@@ -226,7 +226,8 @@ def test_saved_drafter_round_trips_and_refuses_another_target(tiny_target: Loade
     ids = torch.tensor([[5, 9, 31, 7, 2]])
     feats = torch.randn(1, 5, tiny_target.hidden_size)
     with torch.no_grad():
-        ref_logits, ref_h = module(ids, feats)
+        ref_h = module(ids, feats)
+        ref_logits = module.net.lm_head(ref_h)
         cache = net.new_cache(64)
         logits, h = net(ids, feats, torch.arange(5)[None], cache, cache.attention_mask(None, 5))
     torch.testing.assert_close(logits, ref_logits, atol=1e-5, rtol=1e-4)
@@ -255,6 +256,44 @@ def test_short_training_lowers_loss_and_ships_a_lossless_drafter(tmp_path: Path,
     assert res.output_ids == greedy_ids(tiny_target, prompt, 24) and res.proposed > 0
 
 
+def test_training_loss_is_the_plain_formula(tiny_target: LoadedModel) -> None:
+    """The loss reads the kept rows through head_loss's chunks; its value and gradients are those of the
+    plain formula over whole (rows, K) logits: smooth L1 on the guessed feature plus KL(target || drafter),
+    averaged over the unrolled passes, on real (unpadded) pairs only."""
+    import torch.nn.functional as F
+
+    torch.manual_seed(0)
+    trainable = EagleTrainable(kept_vocab=0, save_dtype="fp32", noise=0.0, unroll=2)
+    module = trainable.build(tiny_target, None).double()
+    B, T, D = 3, 12, tiny_target.hidden_size
+    ids = torch.randint(3, tiny_target.vocab_size, (B, T))
+    mask = torch.ones(B, T, dtype=torch.long)
+    mask[1, 8:], mask[2, 5:] = 0, 0  # right padding
+    labels = torch.where(mask.bool(), torch.roll(ids, -1, 1), -100)
+    hidden = torch.randn(B, T, D, dtype=torch.float64)
+    batch = {"input_ids": ids, "labels": labels, "attention_mask": mask}
+    params = [p for p in module.parameters() if p.requires_grad]
+
+    loss, logs = trainable.loss(module, batch, hidden)
+    got = torch.autograd.grad(loss, params)
+
+    valid = mask[:, 1:].bool()
+    nxt, head = hidden[:, 1:][valid], module.net.lm_head.weight
+    p_log = F.log_softmax(nxt @ head.T, -1)
+    feats, want_loss = hidden[:, :-1], torch.zeros((), dtype=torch.float64)
+    for _ in range(2):
+        guess = module(ids[:, 1:], feats)
+        q_log = F.log_softmax(guess[valid] @ head.T, -1)
+        kl = F.kl_div(q_log, p_log, log_target=True, reduction="batchmean")
+        want_loss = want_loss + (F.smooth_l1_loss(guess[valid], nxt) + kl) / 2
+        feats = torch.cat([feats[:, :1], guess[:, :-1]], 1)
+    want = torch.autograd.grad(want_loss, params)
+    torch.testing.assert_close(loss, want_loss)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w)
+    assert set(logs) == {"reg", "kl", "acc", "reg2", "kl2", "acc2"} and 0 <= logs["acc"] <= 1
+
+
 def test_training_can_start_from_a_saved_drafter(tmp_path: Path, tiny_target: LoadedModel) -> None:
     """head.init_from: the saved drafter's weights and rows are where training starts, not fresh ones."""
     first, data = tmp_path / "first", tmp_path / "data"
@@ -270,8 +309,9 @@ def test_training_can_start_from_a_saved_drafter(tmp_path: Path, tiny_target: Lo
     with torch.no_grad():
         cache = net.new_cache(64)
         want = net(ids, feats, torch.arange(5)[None], cache, cache.attention_mask(None, 5))
-        for got, ref in zip(module(ids, feats), want):
-            torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-4)
+        guess = module(ids, feats)
+        torch.testing.assert_close(guess, want[1], atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(module.net.lm_head(guess), want[0], atol=1e-5, rtol=1e-4)
     with initialize_config_dir(str(CONFIG_DIR), version_base=None):
         cfg = compose("train", overrides=[*tiny_train_overrides("eagle", tmp_path / "second", data),
                                           "train.max_steps=3", f"head.init_from={first}"])

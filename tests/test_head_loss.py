@@ -41,6 +41,31 @@ def test_matches_plain_autograd_in_value_and_gradient(monkeypatch: pytest.Monkey
         assert torch.allclose(mine, ref)
 
 
+@pytest.mark.parametrize("chunk", [7, 1 << 21])
+def test_a_precomputed_target_distribution_gives_the_same_loss_and_gradient(monkeypatch: pytest.MonkeyPatch,
+                                                                           chunk: int) -> None:
+    monkeypatch.setattr(hl, "CHUNK_ELEMENTS", chunk * 11)
+    g = torch.Generator().manual_seed(2)
+    N, D, K = 30, 8, 11
+    h = torch.randn(N, D, generator=g, dtype=torch.float64, requires_grad=True)
+    head = torch.randn(K, D, generator=g, dtype=torch.float64)
+    target_h = torch.randn(N, D, generator=g, dtype=torch.float64)
+    labels = torch.randint(0, K, (N,), generator=g)
+    ce_rows, kl_rows = torch.rand(N, generator=g) < 0.6, torch.rand(N, generator=g) < 0.8
+    small = torch.empty(5 * K, dtype=torch.float64)  # too small: a new buffer
+    dist = hl.target_distribution(target_h, head, small)
+    assert dist.buffer is not small and torch.allclose(dist.p, F.softmax(target_h @ head.T, -1))
+    again = hl.target_distribution(target_h[:20], head, dist.buffer)  # fits: the same storage
+    assert again.buffer is dist.buffer and torch.allclose(again.p, dist.p[:20])
+    dist = hl.target_distribution(target_h, head, dist.buffer)
+    ce, kl, _ = hl.head_loss(h, head, labels, dist, ce_rows, kl_rows)
+    ref_ce, ref_kl = plain(h, head, labels, target_h, ce_rows, kl_rows)
+    assert torch.allclose(ce, ref_ce) and torch.allclose(kl, ref_kl)
+    mine, = torch.autograd.grad(0.3 * ce + 2.0 * kl, h)
+    ref, = torch.autograd.grad(0.3 * ref_ce + 2.0 * ref_kl, h)
+    assert torch.allclose(mine, ref)
+
+
 def test_without_target_states_only_cross_entropy_counts() -> None:
     g = torch.Generator().manual_seed(1)
     h = torch.randn(9, 4, generator=g, requires_grad=True)
