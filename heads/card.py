@@ -114,7 +114,8 @@ def _prompts(data: dict[str, Any], sources: list[dict[str, Any]] | None) -> str:
         if s["source"] == "builtin":
             parts.append(f"built-in ({builtin}): {s['sequences']} sequences")
         else:
-            parts.append(f"data.source={s['source']} (split {s['split']}, turns {s['turns']}), {s['kept']} prompts "
-                         f"from {s['rows']} rows, {s['contaminated']} dropped for sharing a 13-word n-gram with "
-                         f"evaluation questions: {s['sequences']} sequences")
+            own = "".join(f", {k.replace('_', ' ')} {s[k]}" for k in ("max_minutes", "max_prompts") if k in s)
+            parts.append(f"data.source={s['source']} (split {s['split']}, turns {s['turns']}{own}), {s['kept']} "
+                         f"prompts from {s['rows']} rows, {s['contaminated']} dropped for sharing a 13-word n-gram "
+                         f"with evaluation questions: {s['sequences']} sequences")
     return "; ".join(parts)

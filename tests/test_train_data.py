@@ -248,6 +248,28 @@ def test_a_mix_joins_each_sources_own_cached_set(tmp_path: Path, tiny_target: Lo
     with pytest.raises(SpecdecError, match="lists no source or one twice"):
         source_list(["builtin", "builtin"])
     assert source_list(None) == ["builtin"] and source_list("a.jsonl") == ["a.jsonl"]
+    with pytest.raises(SpecdecError, match="needs `path`"):
+        source_list([{"turns": "all"}])
+    with pytest.raises(SpecdecError, match="not \\['lr'\\]"):
+        source_list([{"path": "a.jsonl", "lr": 1}])
+
+
+def test_a_mix_entry_sets_its_own_turns_and_budget(tmp_path: Path, tiny_target: LoadedModel) -> None:
+    """{path, turns, max_prompts} apply to that source alone; the other entries keep the run's settings."""
+    rows = [{"messages": [{"role": "user", "content": f"Name a colour, number {i}."},
+                          {"role": "assistant", "content": "Red."},
+                          {"role": "user", "content": f"And another one, please, {i}."}]} for i in range(3)]
+    path = write_jsonl(tmp_path / "chat.jsonl", rows)
+    data_cfg = {"per_category": 1, "seeds": (1,), "exclude_per_category": 20, "exclude_seed": 0, "max_prompts": None,
+                "instructions": 0, "max_new_tokens": 4, "batch_size": 4, "chunk_batches": 1, "max_minutes": None,
+                "torch_threads": 1, "cache_dir": str(tmp_path / "cache")}
+    src = {"split": "train", "turns": "first", "shuffle": False}
+    first = build_mix(tiny_target, [str(path)], src, data_cfg, log=lambda _: None)[1]
+    entry = {"path": str(path), "turns": "all", "max_prompts": 2}
+    _, accounts = build_mix(tiny_target, source_list([entry, "builtin"]), src, data_cfg, log=lambda _: None)
+    assert first[0]["kept"] == 3 and first[0]["turns"] == "first"
+    assert accounts[0]["source"] == str(path) and accounts[0]["turns"] == "all" and accounts[0]["kept"] == 2
+    assert accounts[0]["max_prompts"] == 2 and set(accounts[1]) == {"source", "sequences"}  # builtin: the run's
 
 
 def test_training_on_a_mix_names_every_source_on_the_card(tmp_path: Path, data_dir: Path) -> None:
