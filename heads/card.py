@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import platform
+import shlex
 import sys
 from pathlib import Path
 from typing import Any
@@ -41,7 +42,7 @@ def write_card(out_dir: Path, name: str, model: str, meta: dict[str, Any], argv:
         "Trained by specdec's own command on the target's own greedy continuations (self-distillation);",
         "the target stays frozen. Retrain or train for another model with the command below.",
         "",
-        f"- Command: `python -m heads.train {' '.join(argv)}`",
+        f"- Command: `python -m heads.train {shlex.join(argv)}`",  # quoted: lists and {mappings} reach Hydra whole
         f"- Date: {meta.get('date')}; commit {git_commit() or 'unknown'}",
         f"- Machine: {machine()}",
         f"- Data: {meta.get('sequences')} training sequences, {meta.get('target_tokens')} target tokens "

@@ -283,6 +283,18 @@ def test_training_on_a_mix_names_every_source_on_the_card(tmp_path: Path, data_d
     assert "## On a GPU" in card and "runs the same 1 optimizer step within" in card  # max_steps ended it
 
 
+def test_the_cards_command_survives_the_shell(tmp_path: Path) -> None:
+    """Brackets and braces (data.source lists and mapping entries) are quoted, so the line pastes into a shell."""
+    import shlex
+
+    from heads.card import write_card
+
+    argv = ["head=eagle", "data.source=[{path:a.jsonl,max_minutes:12},{path:b.jsonl,turns:all}]", "train.lr=3e-4"]
+    card = write_card(tmp_path, "eagle", "tiny", {"config": {}}, argv).read_text()
+    line = next(x for x in card.splitlines() if x.startswith("- Command: "))
+    assert shlex.split(line.removeprefix("- Command: `").removesuffix("`")) == ["python", "-m", "heads.train", *argv]
+
+
 def test_the_card_says_what_the_command_does_on_a_gpu() -> None:
     cfg = {"model": {"matmul": "numba", "dtype": "auto"}, "data": {"batch_size": "auto", "max_minutes": 30},
            "train": {"epochs": 1, "max_steps": None, "max_minutes": 6.2}}
