@@ -267,10 +267,11 @@ class EagleTrainable:
             # step 1: pair t on the target's h_t; step s > 1: on the guess of h_t made at step s - 1 by pair
             # t - 1, as drafting feeds its own guesses back (pair 0 keeps its real feature)
             guess = module(ids[:, 1:], feats)  # (B, T-1, D): pair t's guess of h_{t+1}, whose head scores x_{t+2}
-            reg = F.smooth_l1_loss(guess[valid].float(), nxt)
+            real = guess[valid]  # (N, D)
+            reg = F.smooth_l1_loss(real.float(), nxt)
             # KL(target || drafter) over the kept rows at every real pair; the cross-entropy is unused (only
             # its hit count, the agreement with the target's continuation, is logged)
-            _, kl, hits = head_loss(guess[valid], head, small, target, scored, every, top=1)
+            _, kl, hits = head_loss(real, head, small, target, scored, every, top=1)
             loss = loss + (self.reg_weight * reg + self.kl_weight * kl) / self.unroll
             suffix = "" if step == 0 else f"{step + 1}"
             logs |= {f"reg{suffix}": float(reg.detach()), f"kl{suffix}": float(kl.detach()),
