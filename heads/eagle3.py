@@ -76,14 +76,20 @@ class Eagle3Net(NormPlaced):  # one layer: args.n_layers == 1
         h = residual + self.attn(x, freqs, cache, mask, slots)
         return h + self.mlp(self.mlp_norm(h))
 
-    def forward(self, tokens: Tensor, features: Tensor, positions: Tensor, cache: KVCache,
-                mask: Tensor | None = None, logits_from: int = 0) -> tuple[Tensor, Tensor]:
-        """tokens, positions (B, T); features (B, T, 3 D_t or D); mask (B, 1, T, S) or None -> logits
-        (B, T - logits_from, K) and guessed features (B, T, D). Appends one cache row per pair."""
+    def guesses(self, tokens: Tensor, features: Tensor, positions: Tensor, cache: KVCache,
+                mask: Tensor | None = None) -> Tensor:
+        """tokens, positions (B, T); features (B, T, 3 D_t or D); mask (B, 1, T, S) or None -> guessed
+        features (B, T, D), the pre-norm outputs. Appends one cache row per pair."""
         cache.reserve(tokens.shape[1])
         angles = positions[..., None, None].float() * self.inv_freq  # (B, T, 1, hd/2)
         h = self.layer(tokens, features, torch.polar(torch.ones_like(angles), angles), cache, mask)
         cache.advance(tokens.shape[1])
+        return h
+
+    def forward(self, tokens: Tensor, features: Tensor, positions: Tensor, cache: KVCache,
+                mask: Tensor | None = None, logits_from: int = 0) -> tuple[Tensor, Tensor]:
+        """`guesses`, and the logits (B, T - logits_from, K) of lm_head(norm(.)) over them."""
+        h = self.guesses(tokens, features, positions, cache, mask)
         return self.lm_head(self.norm(h[:, logits_from:])), h
 
     def forward_static(self, tokens: Tensor, positions: Tensor, slots: Tensor, tree: Tensor, cache: Any,

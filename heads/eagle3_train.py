@@ -23,12 +23,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from heads.draft_model import target_embedding, target_head, vocab_maps
 from heads.eagle import _final_norm_weight, eagle_args, init_fresh, parse_save_dtype
 from heads.eagle3 import Eagle3Net, default_layers
+from heads.head_loss import head_loss, target_distribution
 from specdec.errors import SpecdecError
 from specdec.models.llama import rope_inv_freq
 from specdec.models.loader import LoadedModel
@@ -79,7 +79,8 @@ class Eagle3TrainModule(nn.Module):
         self.register_buffer("target_rows", target_rows, persistent=False)
 
     def forward(self, tokens: Tensor, taps: Tensor, unroll: int) -> list[Tensor]:
-        """tokens (B, T) x_{t+1} and taps (B, T, 3 D_t) of pairs t -> each pass's logits (B, T, K).
+        """tokens (B, T) x_{t+1} and taps (B, T, 3 D_t) of pairs t -> each pass's final-norm states (B, T, D),
+        no logits: the loss reads them through lm_head in chunks (heads/head_loss.py).
 
         Pass 1 reads every pair's real taps; pass s > 1 gives pair j the guess pass s - 1 made at pair j - 1
         (pair 0 its fused taps, a filler: no pass s > 1 scores pairs j < s - 1, which have no real context)."""
@@ -89,8 +90,8 @@ class Eagle3TrainModule(nn.Module):
         features, out = taps, []
         for s in range(1, unroll + 1):
             mask = ttt_mask(T, s, tokens.device)
-            logits, guess = self.net(tokens, features, pos, stack, mask)  # (B, T, K), (B, T, D)
-            out.append(logits)
+            guess = self.net.guesses(tokens, features, pos, stack, mask)  # (B, T, D)
+            out.append(self.net.norm(guess))
             if s < unroll:
                 features = torch.cat([self.net.fuse(taps[:, :1]), guess[:, :-1]], 1)  # (B, T, D)
         return out
@@ -114,6 +115,7 @@ class Eagle3Trainable:
         self.target: LoadedModel | None = None
         self.kept_ids: Tensor | None = None
         self.to_kept: Tensor | None = None  # (V,) target id -> draft row, -1 if not kept
+        self._target_buffer: Tensor | None = None  # the target's distribution, reused step to step
 
     def target_taps(self, target: LoadedModel) -> tuple[int, int, int]:
         """The three target layers whose inputs fc reads (checked against the target's depth)."""
@@ -156,25 +158,26 @@ class Eagle3Trainable:
         if not valid.any():
             return taps.sum() * 0.0, {"kl": 0.0, "acc": 0.0}
         inner = module if hasattr(module, "target_rows") else module.module  # DDP wraps it
-        p_log = F.log_softmax(F.linear(h[:, 1:][valid], inner.target_rows.float()), -1)  # (N, K) target's, real pairs
-        small = self.to_kept.to(labels.device)[labels[:, 1:].clamp_min(0)]  # x_{t+2} as a draft row, -1 if none
-        scored = (labels[:, 1:] >= 0) & (small >= 0)
+        target = target_distribution(h[:, 1:][valid], inner.target_rows, self._target_buffer)  # (N, K), real pairs
+        self._target_buffer = target.buffer
+        small = self.to_kept.to(labels.device)[labels[:, 1:].clamp_min(0)][valid]  # (N,) x_{t+2}'s draft row, -1: none
+        scored = (labels[:, 1:][valid] >= 0) & (small >= 0)  # the continuation's tokens the drafter can propose
         loss = taps.new_zeros(())
         logs: dict[str, float] = {}
-        for s, logits in enumerate(module(ids[:, 1:], taps[:, :-1], self.unroll), 1):
+        for s, states in enumerate(module(ids[:, 1:], taps[:, :-1], self.unroll), 1):
             keep = valid.clone()
             keep[:, :s - 1] = False  # pass s scores pairs with s - 1 real pairs before their guesses
             if not keep.any():
                 break
-            kl = F.kl_div(F.log_softmax(logits[keep].float(), -1), p_log[keep[valid]], log_target=True,
-                          reduction="batchmean")
+            rows = keep[valid]  # (N,)
+            # KL(target || drafter) through the trained head; the cross-entropy is unused (only its hit count,
+            # the agreement with the target's continuation on rows the drafter can propose, is logged)
+            _, kl, hits = head_loss(states[valid], inner.net.lm_head.weight, small, target, scored & rows, rows,
+                                    top=1)
             loss = loss + kl / self.unroll
             suffix = "" if s == 1 else str(s)
             logs[f"kl{suffix}"] = float(kl.detach())
-            with torch.no_grad():  # agreement with the target's continuation, on the tokens the drafter can propose
-                hit = scored & keep
-                right = logits.detach().argmax(-1)[hit] == small[hit]
-                logs[f"acc{suffix}"] = float(right.float().mean()) if hit.any() else 0.0
+            logs[f"acc{suffix}"] = float(hits[0]) / max(1, int((scored & rows).sum()))
         return loss, logs
 
     def save(self, module: nn.Module, out_dir: Path, meta: dict[str, Any]) -> None:

@@ -12,7 +12,9 @@ rows several times a step (EAGLE's unrolled passes) computes the target's distri
 (`target_distribution`, into a buffer it keeps between steps, so it page-faults in only once).
 
 For a row r with weights c_r (cross-entropy) and k_r (KL), the gradient of the loss with respect to its
-logits is (c_r + k_r) softmax(z_r) - c_r onehot(y_r) - k_r p_r, since p_r sums to one.
+logits is (c_r + k_r) softmax(z_r) - c_r onehot(y_r) - k_r p_r, since p_r sums to one. A head that requires
+a gradient (EAGLE-3 trains its own) gets sum_r g_r^T h_r, summed chunk by chunk into one (K, D) tensor; the
+target's distribution p stays a constant (read it through the target's own rows: target_distribution).
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+
+from specdec.errors import SpecdecError
 
 CHUNK_ELEMENTS = 1 << 21  # logits per chunk: 8 MB in fp32, well inside malloc's reused heap
 
@@ -67,7 +71,7 @@ class _HeadLoss(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h: Tensor, head: Tensor, labels: Tensor, target_h: Tensor | None, ce_w: Tensor,  # type: ignore[override]
                 kl_w: Tensor, dtype: torch.dtype, top: int, dist: TargetDist | None) -> tuple[Tensor, Tensor, Tensor]:
-        # h (N, D) drafter states; head (K, D) frozen; labels (N,) kept-row ids, -100 where unscored;
+        # h (N, D) drafter states; head (K, D), trained or frozen; labels (N,) kept-row ids, -100 where unscored;
         # target_h (N, D) the target's states or None; ce_w, kl_w (N,) per-row weights of the two terms;
         # dist: the target's distribution computed already (then target_h is None)
         soft = torch.promote_types(dtype, torch.float32)  # soft-maxes never below fp32
@@ -98,6 +102,7 @@ class _HeadLoss(torch.autograd.Function):
         h, head, labels, target_h, ce_w, kl_w = ctx.saved_tensors
         w = head.to(ctx.dtype)
         grad_h = torch.empty_like(h)
+        grad_w = torch.zeros(head.shape, dtype=ctx.soft, device=head.device) if ctx.needs_input_grad[1] else None
         for s, e in _chunks(h.shape[0], head.shape[0]):
             c, k = ce_w[s:e] * g_ce, kl_w[s:e] * g_kl  # (n,)
             grad = F.softmax(F.linear(h[s:e].to(ctx.dtype), w).to(ctx.soft), -1).mul_((c + k)[:, None])  # (n, K)
@@ -109,8 +114,11 @@ class _HeadLoss(torch.autograd.Function):
                 grad -= p.mul_(k[:, None])
             elif ctx.dist is not None:
                 grad -= ctx.dist.p[s:e] * k[:, None]
-            grad_h[s:e] = (grad.to(ctx.dtype) @ w).to(h.dtype)  # (n, D)
-        return grad_h, None, None, None, None, None, None, None, None
+            grad = grad.to(ctx.dtype)
+            grad_h[s:e] = (grad @ w).to(h.dtype)  # (n, D)
+            if grad_w is not None:
+                grad_w += grad.T @ h[s:e].to(ctx.dtype)  # (K, D)
+        return (grad_h, None if grad_w is None else grad_w.to(head.dtype), None, None, None, None, None, None, None)
 
 
 def _chunks(rows: int, width: int) -> list[tuple[int, int]]:
@@ -125,8 +133,10 @@ def head_loss(h: Tensor, head: Tensor, labels: Tensor, target_h: Tensor | Target
     its `top` tokens.
 
     h, target_h (N, D), or in target_h's place its distribution over the head's rows (target_distribution);
-    head (K, D), frozen; labels (N,) in 0..K-1 (any value where ce_rows is False); ce_rows, kl_rows (N,) bool.
-    Matmuls run in the autocast dtype when autocast is on (as F.linear would), soft-maxes in fp32.
+    head (K, D), trained when it requires a gradient; labels (N,) in 0..K-1 (any value where ce_rows is False);
+    ce_rows, kl_rows (N,) bool. Matmuls run in the autocast dtype when autocast is on (as F.linear would),
+    soft-maxes in fp32. The target's distribution is a constant: with a trained head, pass it as a TargetDist
+    computed from the target's own rows, since target_h's would be read through the head being trained.
     """
     dtype, _ = _dtypes(h)
     dist = target_h if isinstance(target_h, TargetDist) else None
@@ -136,6 +146,9 @@ def head_loss(h: Tensor, head: Tensor, labels: Tensor, target_h: Tensor | Target
     kl_w = torch.zeros_like(ce_w)
     if kl_rows is not None and (target_h is not None or dist is not None):
         kl_w = kl_rows.float() / kl_rows.sum().clamp_min(1)
+    if head.requires_grad and target_h is not None:
+        raise SpecdecError("head_loss with a trained head takes the target's distribution, not its states: pass "
+                           "target_distribution(target_h, the target's own head rows)")
     with torch.autocast(h.device.type, enabled=False):
-        return _HeadLoss.apply(h, head.detach(), labels, None if target_h is None else target_h.detach(),
+        return _HeadLoss.apply(h, head, labels, None if target_h is None else target_h.detach(),
                                ce_w, kl_w, dtype, top, dist)

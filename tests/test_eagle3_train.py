@@ -78,7 +78,47 @@ def test_training_time_test_passes_are_what_drafting_computes() -> None:
                     _, h = net(tokens[:, :n], feats, pos[:, :n], NoCache(), causal[..., :n, :n])
                     feats = torch.cat([feats, h[:, -1:]], 1)
                 logits, _ = net(tokens[:, :j + 1], feats, pos[:, :j + 1], NoCache(), causal[..., :j + 1, :j + 1])
-                torch.testing.assert_close(passes[s - 1][0, j], logits[0, j], atol=1e-5, rtol=1e-5)
+                torch.testing.assert_close(net.lm_head(passes[s - 1][0, j]), logits[0, j], atol=1e-5, rtol=1e-5)
+
+
+def test_training_loss_is_the_plain_formula(monkeypatch: pytest.MonkeyPatch, deep: LoadedModel) -> None:
+    """The loss reads each pass through the trained head in head_loss's chunks; its value and every gradient,
+    the head's included, are those of KL(target || drafter) over whole (rows, K) logits, averaged over the
+    passes, each on the real pairs it scores."""
+    import torch.nn.functional as F
+
+    from heads import head_loss as hl
+
+    monkeypatch.setattr(hl, "CHUNK_ELEMENTS", 7 * 64)  # several ragged chunks
+    torch.manual_seed(0)
+    B, T, D, V = 3, 12, deep.hidden_size, deep.vocab_size
+    ids = torch.randint(3, V, (B, T))
+    mask = torch.ones(B, T, dtype=torch.long)
+    mask[1, 8:], mask[2, 5:] = 0, 0  # right padding
+    labels = torch.where(mask.bool(), torch.roll(ids, -1, 1), -100)
+    trainable = Eagle3Trainable(draft_vocab=64, unroll=3)  # some labels outside the draft vocabulary
+    module = trainable.build(deep, [{"input_ids": ids[0].tolist(), "labels": labels[0].tolist()}])
+    hidden = torch.randn(B, T, 4 * D)  # the final state, then the three taps
+    batch = {"input_ids": ids, "labels": labels, "attention_mask": mask}
+    params = [p for p in module.parameters() if p.requires_grad]
+    assert any(p is module.net.lm_head.weight for p in params)
+
+    loss, logs = trainable.loss(module, batch, hidden)
+    got = torch.autograd.grad(loss, params)
+
+    valid = mask[:, 1:].bool()
+    p_log = F.log_softmax(hidden[:, 1:, :D][valid] @ module.target_rows.T, -1)
+    want_loss = torch.zeros(())
+    for s, states in enumerate(module(ids[:, 1:], hidden[:, :-1, D:], 3), 1):
+        keep = valid.clone()
+        keep[:, :s - 1] = False
+        q_log = F.log_softmax(module.net.lm_head(states[keep]), -1)
+        want_loss = want_loss + F.kl_div(q_log, p_log[keep[valid]], log_target=True, reduction="batchmean") / 3
+    want = torch.autograd.grad(want_loss, params)
+    torch.testing.assert_close(loss, want_loss)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-6)
+    assert set(logs) == {"kl", "acc", "kl2", "acc2", "kl3", "acc3"} and 0 <= logs["acc"] <= 1
 
 
 def test_short_training_lowers_loss_and_ships_a_lossless_drafter(tmp_path: Path, deep: LoadedModel) -> None:

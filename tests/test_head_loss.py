@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from heads import head_loss as hl
+from specdec.errors import SpecdecError
 
 
 def plain(h: torch.Tensor, head: torch.Tensor, labels: torch.Tensor, target_h: torch.Tensor,
@@ -42,6 +43,33 @@ def test_matches_plain_autograd_in_value_and_gradient(monkeypatch: pytest.Monkey
         mine, = torch.autograd.grad(a * ce + b * kl, h, retain_graph=True)
         ref, = torch.autograd.grad(a * ref_ce + b * ref_kl, h, retain_graph=True)
         assert torch.allclose(mine, ref)
+
+
+@pytest.mark.parametrize("chunk", [4, 1 << 21])
+def test_a_trained_head_gets_the_plain_gradient(monkeypatch: pytest.MonkeyPatch, chunk: int) -> None:
+    """EAGLE-3 trains its head: its gradient is summed chunk by chunk, the target's distribution (from the
+    target's own rows, not the head being trained) a constant."""
+    monkeypatch.setattr(hl, "CHUNK_ELEMENTS", chunk * 11)
+    g = torch.Generator().manual_seed(3)
+    N, D, K = 23, 8, 11
+    h = torch.randn(N, D, generator=g, dtype=torch.float64, requires_grad=True)
+    head = torch.randn(K, D, generator=g, dtype=torch.float64, requires_grad=True)
+    target_rows, target_h = torch.randn(K, D, generator=g, dtype=torch.float64), torch.randn(N, D, generator=g,
+                                                                                              dtype=torch.float64)
+    labels = torch.randint(0, K, (N,), generator=g)
+    ce_rows, kl_rows = torch.rand(N, generator=g) < 0.5, torch.rand(N, generator=g) < 0.7
+    ce, kl, _ = hl.head_loss(h, head, labels, hl.target_distribution(target_h, target_rows), ce_rows, kl_rows)
+    logits = h @ head.T
+    ref_ce = F.cross_entropy(logits[ce_rows], labels[ce_rows])
+    ref_kl = F.kl_div(F.log_softmax(logits[kl_rows], -1), F.log_softmax(target_h[kl_rows] @ target_rows.T, -1),
+                      log_target=True, reduction="batchmean")
+    assert torch.allclose(ce, ref_ce) and torch.allclose(kl, ref_kl)
+    mine = torch.autograd.grad(0.4 * ce + 1.5 * kl, (h, head))
+    ref = torch.autograd.grad(0.4 * ref_ce + 1.5 * ref_kl, (h, head))
+    for a, b in zip(mine, ref):
+        assert torch.allclose(a, b)
+    with pytest.raises(SpecdecError, match="target_distribution"):  # states would be read through the trained head
+        hl.head_loss(h, head, labels, target_h, ce_rows, kl_rows)
 
 
 def test_the_target_distribution_reuses_a_buffer_that_fits() -> None:
