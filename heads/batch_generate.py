@@ -6,7 +6,9 @@ continuation token as a by-product, which the drafters' losses read: no second p
 
 Two loops: on the CPU kernels, continuous batching over `BatchEngine` slots (each pass reads the weights
 once for every slot, a finished slot takes the next prompt at once, no padding); elsewhere (torch
-linears, CUDA), left-padded static batches of large GEMMs.
+linears, CUDA), left-padded static batches of large GEMMs. With compiled steps (`model.compile`, the
+default on CUDA) each decode step of a batch is one static-shape step (engine/static_step.py) that also
+picks the tokens: one CUDA graph replay instead of about a thousand kernel launches a step.
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ import torch
 from torch import Tensor
 
 from specdec.engine.batch import BatchEngine, Feed
+from specdec.engine.kv_cache import KVCache
+from specdec.engine.static_step import CacheView, allow_many_graphs, compile_mode
 from specdec.models.cpu_linear import use_matmul
 from specdec.models.loader import LoadedModel
 
@@ -48,18 +52,59 @@ def left_padded(prompts: list[list[int]], max_new_tokens: int, device: torch.dev
     return tokens.to(device), positions.to(device), valid.to(device), mask.to(device)
 
 
+STATIC_ROOM = 256  # a static batch's cache is a multiple of this many slots: batches of similar width share graphs
+
+
+def greedy_step(model: torch.nn.Module, compile: bool) -> Callable[..., tuple[Tensor, Tensor]]:
+    """One static-shape decode step for a left-padded batch -> (B,) greedy tokens and (B, D) final-norm
+    states; compiled once per model (one graph per batch size and cache size), CUDA graphs on a GPU."""
+    key = "_greedy_step_compiled" if compile else "_greedy_step_eager"
+    fn = model.__dict__.get(key)
+    if fn is None:
+        def step(tokens: Tensor, positions: Tensor, slot: Tensor, k: Tensor, v: Tensor,
+                 keep: Tensor) -> tuple[Tensor, Tensor]:
+            tree = torch.ones(1, 1, dtype=torch.bool, device=tokens.device)
+            logits, h = model.forward_static(tokens, positions, slot, tree, CacheView(k, v), keep=keep)  # type: ignore[operator]
+            return logits[:, -1].argmax(-1), h[:, 0]
+
+        device = next(model.parameters()).device
+        allow_many_graphs()
+        fn = torch.compile(step, mode=compile_mode(device), fullgraph=True, dynamic=False) if compile else step
+        model.__dict__[key] = fn
+    return fn
+
+
+def _static_cache(model: torch.nn.Module, batch: int, size: int, compile: bool) -> KVCache:
+    """One cache per batch and cache size, reused batch after batch: CUDA graphs mutate only buffers whose
+    address never changes. A reused cache's stale slots are never read: each row reads only its own
+    prompt's and continuation's slots (`keep`), and those it writes before it reads them."""
+    caches = model.__dict__.setdefault("_greedy_caches", {})
+    cache = caches.get((batch, size))
+    if cache is None:
+        cache = caches[(batch, size)] = model.new_cache(size, batch=batch)  # type: ignore[operator]
+        if compile and cache.k.device.type == "cuda":
+            torch._dynamo.mark_static_address(cache.k)
+            torch._dynamo.mark_static_address(cache.v)
+    cache.rollback(0)
+    return cache
+
+
 @torch.inference_mode()
 def _generate_batch(target: LoadedModel, prompts: list[list[int]], max_new_tokens: int,
-                    check_every: int | None = None) -> list[Generated]:
+                    check_every: int | None = None, static: bool | None = None) -> list[Generated]:
     """Greedy continuations of a left-padded batch. Tokens and hidden states stay on the target's device
     until the end, and whether every row has ended is read only each `check_every` steps (default: 1 on
     the CPU, 8 elsewhere): on a GPU each read waits for the device, and a host that never waits can queue
-    the next step's kernels while the device runs this one. Steps past every row's end are cut off."""
+    the next step's kernels while the device runs this one. Steps past every row's end are cut off.
+    `static` (default: the target's `compile`): decode steps at static shapes (`greedy_step`), compiled
+    when the target is; the prefill stays eager (one pass a batch)."""
     model = target.model
     B, W, n = len(prompts), max(map(len, prompts)), max_new_tokens
     dev = target.device
     every = check_every or (1 if dev.type == "cpu" else 8)
-    cache = model.new_cache(W + n, batch=B)
+    static = target.compile if static is None else static
+    size = -(-(W + n) // STATIC_ROOM) * STATIC_ROOM if static else W + n
+    cache = _static_cache(model, B, size, target.compile) if static else model.new_cache(size, batch=B)
     tokens, positions, valid, mask = left_padded(prompts, n, dev)
     logits, h = model(tokens, positions, cache, mask, logits_from=W - 1)  # h: (B, W, D)
     states = torch.empty(B, W + n, h.shape[-1], dtype=torch.float16, device=dev)  # the state after each token
@@ -68,15 +113,25 @@ def _generate_batch(target: LoadedModel, prompts: list[list[int]], max_new_token
     pos = positions[:, -1]
     eos = torch.tensor(target.eos_ids or [-1], device=dev)
     done = torch.zeros(B, dtype=torch.bool, device=dev)
+    nxt = logits[:, -1].argmax(-1)  # (B,)
+    if static:
+        step = greedy_step(model, target.compile)
+        keep = torch.nn.functional.pad(valid, (0, size - W - n))  # (B, size): no row reads another's padding
+        slots = torch.arange(size, device=dev)
     steps = n
     for i in range(n):
-        nxt = logits[:, -1].argmax(-1)  # (B,)
-        gen[:, i] = nxt
+        gen[:, i] = nxt  # copied out before the next step: a CUDA graph's outputs are overwritten by its replay
         done |= torch.isin(nxt, eos)
         pos = pos + 1
         # The last step runs even when every row has ended: it gives the final token's hidden state.
-        logits, h = model(nxt[:, None], pos[:, None], cache, valid[:, None, None, :W + i + 1])
-        states[:, W + i] = h[:, 0]
+        if static:
+            # the step's own tensors, not views into gen and slots, which the compiled step read more slowly
+            nxt, h_new = step(gen[:, i:i + 1].clone(), pos[:, None], slots[W + i:W + i + 1].clone(), cache.k, cache.v,
+                              keep)
+        else:
+            logits, h = model(gen[:, i:i + 1], pos[:, None], cache, valid[:, None, None, :W + i + 1])
+            nxt, h_new = logits[:, -1].argmax(-1), h[:, 0]
+        states[:, W + i] = h_new
         if (i + 1) % every == 0 and bool(done.all()):
             steps = i + 1
             break

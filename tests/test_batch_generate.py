@@ -90,6 +90,38 @@ def test_reading_the_end_less_often_gives_the_same_tokens_and_states(load_tiny: 
         np.testing.assert_array_equal(a.hidden, b.hidden)
 
 
+@pytest.mark.parametrize("compiled", [False, True])
+def test_static_steps_give_the_eager_loops_tokens_and_states(load_tiny: Callable[..., LoadedModel],
+                                                             compiled: bool) -> None:
+    """The GPU's loop (static-shape steps over a reused cache, compiled when the target is) against the eager
+    one, with rows ending early; then a second, narrower batch in the same cache, whose stale slots no row
+    reads, through the same graph."""
+    from dataclasses import replace
+
+    from torch._dynamo.utils import counters
+
+    eager = load_tiny("llama")
+    target = replace(eager, compile=compiled)
+    ps = prompts(7)
+    stop = {_generate_batch(eager, ps, 12)[2].continuation[4]}
+    target.eos_ids = eager.eos_ids = tuple(stop)  # type: ignore[misc]
+    try:
+        want = _generate_batch(eager, ps, 12, static=False)
+        got = _generate_batch(target, ps, 12, static=True)
+        graphs = counters["stats"]["unique_graphs"]
+        narrow = [p[:4] for p in ps]  # other widths and lengths, the same cache and graph
+        want2, got2 = _generate_batch(eager, narrow, 12, static=False), _generate_batch(target, narrow, 12, static=True)
+    finally:
+        target.eos_ids = eager.eos_ids = ()  # type: ignore[misc]
+    assert len({len(g.continuation) for g in want}) > 1  # some rows end early
+    for a, b in ((got, want), (got2, want2)):
+        assert [g.continuation for g in a] == [g.continuation for g in b]
+        for x, y in zip(a, b):
+            np.testing.assert_allclose(x.hidden.astype(np.float32), y.hidden.astype(np.float32), atol=1e-2)
+    if compiled:
+        assert counters["stats"]["unique_graphs"] == graphs  # no new graph for the second batch
+
+
 def test_auto_generation_batch(load_tiny: Callable[..., LoadedModel], monkeypatch: pytest.MonkeyPatch) -> None:
     from dataclasses import replace
 

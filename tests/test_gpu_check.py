@@ -45,6 +45,8 @@ def test_gpu_check_on_cpu_tiny_shape_passes_every_case(tmp_path: Path) -> None:
     for s in correctness.BATCHED:  # continuous batching reproduces the CPU's greedy, slot reuse included
         assert r["cases"][f"batch/fp32/{s}"]["result"]["identical"] == 1.0
     assert r["cases"]["speed/batch/b4"]["result"]["tokens"] == 4 * 6
+    distill = r["cases"]["distill/fp32/compiled"]["result"]  # the distillation's compiled loop
+    assert distill["identical"] == 1.0 and distill["max_hidden_diff_vs_eager"] < 1e-2
     fp32 = r["cases"]["correct/fp32/eager/draft_random"]["result"]
     assert fp32["identical"] == 1.0 and fp32["max_deficit"] == 0.0  # on the CPU the device is the reference
     assert r["cases"]["correct/fp32/compiled/greedy"]["result"]["engine"] == "StaticEngine+compiled"

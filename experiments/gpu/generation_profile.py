@@ -1,11 +1,12 @@
 """Where the distillation's batched generation spends its time on a GPU (heads/batch_generate.py's
 left-padded loop), on random weights in SmolLM2-135M's shape, so no model file has to travel.
 
-    python experiments/gpu/generation_profile.py [--device cuda] [--batches 64,256] [--out DIR]
+    python experiments/gpu/generation_profile.py [--device cuda] [--batches 64,256] [--loops eager,compiled] [--out DIR]
 
-Prints seconds per batch and milliseconds per decoding step for each batch size (prompts of 40-200
-random tokens, 128 new tokens: random weights never end early), then torch.profiler's top operators
-for a short batch, by device time and by host time.
+Prints seconds per batch and milliseconds per decoding step for each loop and batch size (prompts of 40-200
+random tokens, 128 new tokens: random weights never end early): `eager` steps, and `compiled` static-shape
+steps (what a GPU target runs by default; traced before the timing), then torch.profiler's top operators
+for a short batch of the first loop, by device time and by host time.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import argparse
 import random
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -36,26 +38,30 @@ def main() -> None:
     ap.add_argument("--batches", default="64,256")
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--layers", type=int, default=None, help="fewer layers (a quick CPU try)")
+    ap.add_argument("--loops", default="eager,compiled")
     ap.add_argument("--out", type=Path, default=None)
     a = ap.parse_args()
     shape = dict(SMOLLM2_135M, num_hidden_layers=a.layers or SMOLLM2_135M["num_hidden_layers"])
     target = random_llama(shape, a.device, torch.float32, keep_hf=False)
+    loops = {name: replace(target, compile=name == "compiled") for name in a.loops.split(",")}
     rng = random.Random(0)
     sizes = [int(b) for b in a.batches.split(",")]
     prompts = [[rng.randrange(3, shape["vocab_size"]) for _ in range(rng.randint(40, 200))] for _ in range(max(sizes))]
     lines = [f"device {a.device}; torch {torch.__version__}; {shape['num_hidden_layers']} layers, fp32, "
              f"{a.new_tokens} new tokens"]
-    _generate_batch(target, prompts[:4], 4)  # warm-up
-    for B in sizes:
-        batch = sorted(prompts[:B], key=len)
-        sync(a.device)
-        t0 = time.perf_counter()
-        _generate_batch(target, batch, a.new_tokens)
-        sync(a.device)
-        s = time.perf_counter() - t0
-        lines.append(f"B={B}: {s:.2f} s per batch, {1000 * s / (a.new_tokens + 1):.1f} ms per step, "
-                     f"{B / s:.1f} prompts/s")
-        print(lines[-1], flush=True)
+    for name, model in loops.items():
+        for B in sizes:
+            batch = sorted(prompts[:B], key=len)
+            _generate_batch(model, batch, 4)  # warm-up; the compiled loop traces this batch's graph
+            sync(a.device)
+            t0 = time.perf_counter()
+            _generate_batch(model, batch, a.new_tokens)
+            sync(a.device)
+            s = time.perf_counter() - t0
+            lines.append(f"{name} B={B}: {s:.2f} s per batch, {1000 * s / (a.new_tokens + 1):.1f} ms per step, "
+                         f"{B / s:.1f} prompts/s")
+            print(lines[-1], flush=True)
+    target = next(iter(loops.values()))
     acts = [torch.profiler.ProfilerActivity.CPU]
     if a.device == "cuda":
         acts.append(torch.profiler.ProfilerActivity.CUDA)

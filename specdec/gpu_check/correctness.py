@@ -1,5 +1,6 @@
 """The GPU check's correctness cases on the tiny model: every strategy against greedy, a token-tree pass
-against each node's path, sampling against the target's law, and continuous batching."""
+against each node's path, sampling against the target's law, continuous batching, and the distillation's
+batched generation."""
 
 from __future__ import annotations
 
@@ -246,3 +247,25 @@ def check_batched(models: Models, name: str, dtype: str) -> dict[str, Any]:
     return {"identical": sum(g == w for g, w in zip(got, want)) / len(want), "max_deficit": worst,
             "tie_tolerance": TIE[dtype], "slots": BATCH, "prompts": len(want),
             "passed": worst <= TIE[dtype] and all(len(g) == models.opt.check_tokens for g in got)}
+
+
+def check_distill(models: Models, dtype: str) -> dict[str, Any]:
+    """The distillation's loop as a GPU runs it (heads/batch_generate.py: one left-padded batch, compiled
+    static-shape steps) gives greedy's output; its hidden states match the eager loop's on the device."""
+    from dataclasses import replace
+
+    from heads.batch_generate import _generate_batch
+
+    n, prompts = models.opt.check_tokens, models.prompts()
+    target = replace(models.tiny(dtype, True), eos_ids=())  # fixed length, as the references
+    want, ref = models.reference_outputs(dtype), models.reference(dtype)
+    got = _generate_batch(target, prompts, n, static=True)
+    eager = _generate_batch(replace(models.tiny(dtype, False), eos_ids=()), prompts, n, static=False)
+    worst = max([max(deficits(ref, p, g.continuation)) for p, g, w in zip(prompts, got, want)
+                 if g.continuation != w], default=0.0)
+    same = [(a.continuation == b.continuation) for a, b in zip(got, eager)]
+    drift = max(float(abs(a.hidden.astype("float32") - b.hidden.astype("float32")).max())
+                for a, b, s in zip(got, eager, same) if s) if any(same) else None
+    return {"identical": sum(g.continuation == w for g, w in zip(got, want)) / len(want), "max_deficit": worst,
+            "tie_tolerance": TIE[dtype], "prompts": len(want), "max_hidden_diff_vs_eager": drift,
+            "passed": worst <= TIE[dtype] and all(len(g.continuation) == n for g in got)}

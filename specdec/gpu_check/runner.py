@@ -27,6 +27,7 @@ from specdec.engine.timing import clock
 from specdec.gpu_check.correctness import (
     BATCHED,
     check_batched,
+    check_distill,
     check_sampled_turns,
     check_sampling_rules,
     check_strategy,
@@ -99,6 +100,7 @@ def all_cases(models: Models) -> list[Case]:
         add(f"tree/{dtype}/compiled", check_tree, dtype, True)
 
     compiled_correctness("bf16")  # what a GPU runs by default
+    add("distill/fp32/compiled", check_distill, "fp32")  # the drafters' training data, as a GPU makes it
     for d in ("greedy_compiled", "hf_static"):
         add(f"speed/decode/{d}", speed_decode, d)
     # a case per pass size: each compiles one more bucket, so a slow compile costs one point, not the curve

@@ -306,7 +306,7 @@ class Llama(NormPlaced):
         return self.lm_head(h[:, logits_from:].contiguous()), h, torch.cat(seen, -1)
 
     def forward_static(self, tokens: Tensor, positions: Tensor, slots: Tensor, tree: Tensor,
-                       cache: KVCache, taps: tuple[int, ...] = ()) -> tuple[Tensor, Tensor]:
+                       cache: KVCache, taps: tuple[int, ...] = (), keep: Tensor | None = None) -> tuple[Tensor, Tensor]:
         """The step `torch.compile` captures: every shape fixed by the token bucket T and the cache size.
 
         tokens, positions (1, T); slots (T,) the cache slots the new K/V go to, slots[0] being the number
@@ -314,16 +314,21 @@ class Llama(NormPlaced):
         integer that changes between steps, so one compiled graph (one CUDA graph) serves every step
         of a bucket. Returns logits (1, T, V) and final-norm hidden states (1, T, dim); with `taps` the
         tapped layers' inputs follow the final-norm state in the same rows: (1, T, (1 + len(taps)) dim).
+        A batch of B sequences sharing the slots (left-padded, heads/batch_generate.py) passes tokens and
+        positions (B, T) and `keep` (B, S_max), the slots each row may read (not its padding).
         """
-        x = self.embed(tokens)  # (1, T, dim)
+        x = self.embed(tokens)  # (B, T, dim)
         seen: list[Tensor] = []
-        h = self.layers_static(x, positions, slots, tree, cache, taps, seen)
+        h = self.layers_static(x, positions, slots, tree, cache, taps, seen, keep)
         return self.lm_head(h), torch.cat([h, *seen], -1) if taps else h
 
     def layers_static(self, x: Tensor, positions: Tensor, slots: Tensor, tree: Tensor, cache: KVCache,
-                      taps: tuple[int, ...] = (), seen: list[Tensor] | None = None) -> Tensor:
-        """The layers and the final norm in static-shape mode (see forward_static) -> (1, T, dim)."""
-        mask = static_mask(slots, tree, cache.k.shape[3])
+                      taps: tuple[int, ...] = (), seen: list[Tensor] | None = None,
+                      keep: Tensor | None = None) -> Tensor:
+        """The layers and the final norm in static-shape mode (see forward_static) -> (B, T, dim)."""
+        mask = static_mask(slots, tree, cache.k.shape[3])  # (1, 1, T, S_max)
+        if keep is not None:
+            mask = mask & keep[:, None, None, :]  # (B, 1, T, S_max)
         angles = positions[..., None, None].float() * self.inv_freq  # (1, T, 1, D/2)
         freqs = torch.stack([angles.cos(), angles.sin()], -1)  # (1, T, 1, D/2, 2)
         for i, block in enumerate(self.layers):
