@@ -75,17 +75,20 @@ def greedy_step(model: torch.nn.Module, compile: bool) -> Callable[..., tuple[Te
 
 
 def _static_cache(model: torch.nn.Module, batch: int, size: int, compile: bool) -> KVCache:
-    """One cache per batch and cache size, reused batch after batch: CUDA graphs mutate only buffers whose
-    address never changes. A reused cache's stale slots are never read: each row reads only its own
-    prompt's and continuation's slots (`keep`), and those it writes before it reads them."""
-    caches = model.__dict__.setdefault("_greedy_caches", {})
-    cache = caches.get((batch, size))
-    if cache is None:
-        cache = caches[(batch, size)] = model.new_cache(size, batch=batch)  # type: ignore[operator]
-        if compile and cache.k.device.type == "cuda":
-            torch._dynamo.mark_static_address(cache.k)
-            torch._dynamo.mark_static_address(cache.v)
-    cache.rollback(0)
+    """The cache of the static loop, reused batch after batch while the batch and cache size stay (CUDA graphs
+    mutate only buffers whose address never changes); a new shape replaces it, so one cache lives at a time.
+    A reused cache's stale slots are never read: each row reads only its own prompt's and continuation's
+    slots (`keep`), and it writes those before it reads them."""
+    held = model.__dict__.get("_greedy_cache")
+    if held is not None and held[0] == (batch, size):
+        held[1].rollback(0)
+        return held[1]
+    model.__dict__.pop("_greedy_cache", None)  # freed before the next one is allocated
+    cache = model.new_cache(size, batch=batch)  # type: ignore[operator]
+    if compile and cache.k.device.type == "cuda":
+        torch._dynamo.mark_static_address(cache.k)
+        torch._dynamo.mark_static_address(cache.v)
+    model.__dict__["_greedy_cache"] = ((batch, size), cache)
     return cache
 
 
@@ -166,6 +169,7 @@ def generate_with_hidden(target: LoadedModel, prompts: list[list[int]], max_new_
                 results[i] = g
     finally:
         use_matmul(target.model, target.matmul)
+        target.model.__dict__.pop("_greedy_cache", None)  # the memory goes back to training
     return [r for r in results if r is not None]
 
 

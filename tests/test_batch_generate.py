@@ -120,6 +120,11 @@ def test_static_steps_give_the_eager_loops_tokens_and_states(load_tiny: Callable
             np.testing.assert_allclose(x.hidden.astype(np.float32), y.hidden.astype(np.float32), atol=1e-2)
     if compiled:
         assert counters["stats"]["unique_graphs"] == graphs  # no new graph for the second batch
+        # the distillation's entry point takes this loop on a compiled target, then frees its cache for training
+        assert "_greedy_cache" in target.model.__dict__
+        via_dispatch = generate_with_hidden(target, narrow, 12, batch_size=7)
+        assert [g.continuation for g in via_dispatch] == [g.continuation for g in _generate_batch(eager, narrow, 12)]
+        assert "_greedy_cache" not in target.model.__dict__
 
 
 def test_auto_generation_batch(load_tiny: Callable[..., LoadedModel], monkeypatch: pytest.MonkeyPatch) -> None:

@@ -485,10 +485,11 @@ def _scratch_floats(size: int) -> np.ndarray:
 
 def matmul_panels(x: np.ndarray, panels: np.ndarray, n_out: int) -> np.ndarray:
     """x (M, K) @ W^T (M, n_out) with W held only as `pack` panels: the tile kernels for up to MAX_ROWS
-    rows; above (prefill), BLAS over W unpacked into a reused buffer, bitwise `matmul_wt` over a dense
+    rows; above (prefill), BLAS over W unpacked into a reused buffer, bitwise the same GEMM over a dense
     W (tests/test_memory.py checks) without keeping that second copy. Larger matrices are unpacked as
-    W^T, which needs no transposition: BLAS's general GEMM, which products over that many rows take,
-    sums each output over k alike whichever the layout and the neighbouring columns."""
+    W^T in column blocks, which needs no transposition; a block's outputs may differ from a whole-matrix
+    GEMM's in the last bits where the BLAS sums edge columns otherwise (OpenBLAS 0.3.31 does), the same
+    in every pass, so every strategy still sees one model."""
     x = np.ascontiguousarray(x, dtype=np.float32)
     m, k = x.shape
     if m <= MAX_ROWS:
