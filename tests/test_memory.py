@@ -174,17 +174,21 @@ def test_numba_prefill_and_decode_match_the_dense_model(folder: Path) -> None:
 @pytest.mark.parametrize(("n_out", "n_in"), [(53, 70), (1000, 576), (3072, 576)])  # tiny, a ragged last panel, large
 def test_products_over_panels_equal_blas_over_the_dense_matrix_bitwise(kind: str, n_out: int, n_in: int,
                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
-    """Above MAX_ROWS rows NumbaLinear runs BLAS over W unpacked from the panels (as W^T, in column
-    blocks for large matrices): bitwise the GEMMs over the dense (rounded) W that its second copy fed, block
-    by block. Whether a block's columns sum as a whole-matrix GEMM's do is the BLAS's choice (OpenBLAS
-    0.3.31's do not, by a last bit or two), so against the whole GEMM only to rounding."""
+    """Up to TILED_ROWS rows NumbaLinear runs the tile kernels, each row bitwise as in a one-row pass. Above
+    (prefill), BLAS over W unpacked from the panels (as W^T, in column blocks for large matrices): bitwise
+    the GEMMs over the dense (rounded) W that its second copy fed, block by block. Whether a block's columns
+    sum as a whole-matrix GEMM's do is the BLAS's choice (OpenBLAS 0.3.31's do not, by a last bit or two),
+    so against the whole GEMM only to rounding."""
     rng = np.random.default_rng(n_out)
     w = rng.standard_normal((n_out, n_in), dtype=np.float32)
     dense = {"fp32": w, "bf16": cpu_kernels.to_bf16(w), "int8": cpu_kernels.to_int8(w)}[kind]
     panels = cpu_kernels.pack(w, kind=kind)
     assert np.array_equal(cpu_kernels.unpack(panels, 0, n_out), dense)
     assert np.array_equal(cpu_kernels.unpack_t(panels, 0, n_out), dense.T)
-    for rows in (cpu_kernels.MAX_ROWS + 1, 40, 130):
+    x = rng.standard_normal((40, n_in), dtype=np.float32)  # a tree's or a draft's pass: the tile kernels,
+    one_by_one = np.concatenate([cpu_kernels.matmul(r[None], panels, n_out) for r in x])  # each row as alone
+    assert np.array_equal(cpu_kernels.matmul_panels(x, panels, n_out), one_by_one)
+    for rows in (cpu_kernels.TILED_ROWS + 1, 130):  # prefill: BLAS
         x = rng.standard_normal((rows, n_in), dtype=np.float32)
         want = x @ dense.T
         assert np.array_equal(cpu_kernels.matmul_panels(x, panels, n_out), want), rows

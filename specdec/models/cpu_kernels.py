@@ -473,6 +473,7 @@ BLOCK_BYTES = 8 << 20
 # Matrices of up to this many weights are unpacked as W, for exactly the GEMM over a dense W: OpenBLAS
 # runs products this small through kernels that sum in another order for each layout.
 SMALL_MATRIX = 1 << 18
+TILED_ROWS = 64  # passes up to this many rows (the fused stack's FUSED_ROWS) stay on the tile kernels
 _scratch = threading.local()
 
 
@@ -484,8 +485,9 @@ def _scratch_floats(size: int) -> np.ndarray:
 
 
 def matmul_panels(x: np.ndarray, panels: np.ndarray, n_out: int) -> np.ndarray:
-    """x (M, K) @ W^T (M, n_out) with W held only as `pack` panels: the tile kernels for up to MAX_ROWS
-    rows; above (prefill), BLAS over W unpacked into a reused buffer, bitwise the same GEMM over a dense
+    """x (M, K) @ W^T (M, n_out) with W held only as `pack` panels: the tile kernels for up to TILED_ROWS
+    rows (MAX_ROWS at a time), so a row of a tree or a draft gets a one-row pass's bits whatever the BLAS
+    sums otherwise; above (prefill), BLAS over W unpacked into a reused buffer, bitwise the same GEMM over a dense
     W (tests/test_memory.py checks) without keeping that second copy. Larger matrices are unpacked as
     W^T in column blocks, which needs no transposition; a block's outputs may differ from a whole-matrix
     GEMM's in the last bits where the BLAS sums edge columns otherwise (OpenBLAS 0.3.31 does), the same
@@ -494,6 +496,8 @@ def matmul_panels(x: np.ndarray, panels: np.ndarray, n_out: int) -> np.ndarray:
     m, k = x.shape
     if m <= MAX_ROWS:
         return matmul(x, panels, n_out)
+    if m <= TILED_ROWS:  # each row bitwise a one-row pass's, whatever the BLAS: trees and drafts verify against it
+        return np.concatenate([matmul(x[s:s + MAX_ROWS], panels, n_out) for s in range(0, m, MAX_ROWS)])
     nb = panels.shape[2]
     if n_out * k <= SMALL_MATRIX:
         return x @ unpack(panels, 0, n_out, out=_scratch_floats(-(-n_out // nb) * nb * k)).T
