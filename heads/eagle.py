@@ -41,6 +41,7 @@ from heads.draft_model import (
     target_head,
 )
 from heads.head_loss import head_loss, target_distribution
+from heads.training_time_test import PassStack, ttt_mask
 from specdec.errors import SpecdecError
 from specdec.models.llama import SUPPORTED_TYPES, Llama, LlamaArgs, PassThroughNorm, rope_inv_freq
 from specdec.models.loader import LoadedModel
@@ -49,6 +50,7 @@ FORMAT = "specdec-eagle/1"
 WEIGHTS = "eagle.safetensors"
 CONFIG = "eagle.json"
 LAYOUTS = ("specdec", "eagle1")  # the first: what checkpoints without a `layout` field have
+CONTEXTS = ("guessed", "drafting")  # what an unrolled pass s > 1 attends to (EagleTrainModule.forward)
 
 
 class EagleNet(Llama):
@@ -156,14 +158,29 @@ class EagleTrainModule(nn.Module):
         super().__init__()
         self.net = net
 
-    def forward(self, tokens: Tensor, features: Tensor) -> Tensor:
-        """Guessed features (B, T, D), no logits: the loss reads them through the head in chunks (head_loss)."""
+    def forward(self, tokens: Tensor, features: Tensor, unroll: int = 1, context: str = "guessed") -> list[Tensor]:
+        """tokens (B, T) x_{t+1} and features (B, T, D) h_t of pairs t -> each pass's guessed features (B, T, D),
+        no logits: the loss reads them through the head in chunks (head_loss).
+
+        Pass s > 1 gives pair t the guess pass s - 1 made at pair t - 1, as drafting feeds its guesses back
+        (pair 0 keeps its feature). Its attention reads, with context "guessed", every earlier pair of the same
+        pass (guesses all); with "drafting", pass 1's pairs up to t - (s - 1) and its own guesses after them,
+        what drafting the s-th token shows it (the training-time test, heads/training_time_test.py)."""
         from heads.batches import NoCache
 
         B, T = tokens.shape
         pos = torch.arange(T, device=tokens.device).expand(B, T)
         causal = torch.ones(T, T, dtype=torch.bool, device=tokens.device).tril()[None, None]  # (1, 1, T, T)
-        return self.net(tokens, features, pos, NoCache(), causal, logits_from=T)[1]
+        stack = PassStack() if context == "drafting" else None  # one forward for every pass (one graph for DDP)
+        out: list[Tensor] = []
+        for s in range(1, unroll + 1):
+            if stack is None:
+                guess = self.net(tokens, features, pos, NoCache(), causal, logits_from=T)[1]
+            else:
+                guess = self.net(tokens, features, pos, stack, ttt_mask(T, s, tokens.device), logits_from=T)[1]
+            out.append(guess)
+            features = torch.cat([features[:, :1], guess[:, :-1]], 1)
+        return out
 
 
 class EagleTrainable:
@@ -172,8 +189,8 @@ class EagleTrainable:
     needs_hidden = True
 
     def __init__(self, name: str = "eagle", layers: int = 1, kept_vocab: int = 8192, reg_weight: float = 1.0,
-                 kl_weight: float = 1.0, noise: float = 0.1, unroll: int = 2, save_dtype: str = "fp16",
-                 layout: str = "specdec", init_from: str | None = None) -> None:
+                 kl_weight: float = 1.0, noise: float = 0.1, unroll: int = 2, context: str = "guessed",
+                 save_dtype: str = "fp16", layout: str = "specdec", init_from: str | None = None) -> None:
         if layout not in LAYOUTS:
             raise SpecdecError(f"head.layout={layout!r}; use specdec (specdec's own) or eagle1 (EAGLE-1's published "
                                "network, exportable with python -m heads.export eagle)")
@@ -183,6 +200,9 @@ class EagleTrainable:
             raise SpecdecError("head.noise, head.reg_weight and head.kl_weight must be >= 0, the weights not both 0")
         if unroll < 1:
             raise SpecdecError(f"head.unroll={unroll} must be at least 1 (1: train on the target's features only)")
+        if context not in CONTEXTS:
+            raise SpecdecError(f"head.context={context!r}; use guessed (later passes attend to guesses only) or "
+                               "drafting (to real pairs, then their own guesses: the training-time test)")
         self.name = name
         self.layers = layers
         self.layout = layout
@@ -191,6 +211,7 @@ class EagleTrainable:
         self.kl_weight = kl_weight
         self.noise = noise
         self.unroll = unroll
+        self.context = context
         self.save_dtype = parse_save_dtype(save_dtype)
         self.init_from = init_from
         self.target: LoadedModel | None = None
@@ -258,25 +279,26 @@ class EagleTrainable:
         head = module.net.lm_head.weight if hasattr(module, "net") else module.module.net.lm_head.weight
         small = self.to_kept.to(labels.device)[labels[:, 1:].clamp_min(0)][valid]  # (N,) kept row of x_{t+2}, -1: none
         scored = (labels[:, 1:][valid] >= 0) & (small >= 0)  # the continuation's tokens the drafter can propose
-        every = torch.ones_like(scored)
         target = target_distribution(nxt, head, self._target_buffer)  # once for every unrolled pass
         self._target_buffer = target.buffer
         loss = feats.new_zeros(())
         logs: dict[str, float] = {}
-        for step in range(self.unroll):
-            # step 1: pair t on the target's h_t; step s > 1: on the guess of h_t made at step s - 1 by pair
-            # t - 1, as drafting feeds its own guesses back (pair 0 keeps its real feature)
-            guess = module(ids[:, 1:], feats)  # (B, T-1, D): pair t's guess of h_{t+1}, whose head scores x_{t+2}
+        pair = torch.arange(valid.shape[1], device=valid.device).expand_as(valid)  # (B, T-1)
+        for s, guess in enumerate(module(ids[:, 1:], feats, self.unroll, self.context), 1):
+            # pass s's pair t guesses h_{t+1}, whose head scores x_{t+2}; under "drafting" pass s scores only
+            # pairs with s - 1 real pairs before their guesses, as drafting has
+            rows = (pair >= s - 1)[valid] if self.context == "drafting" else torch.ones_like(scored)  # (N,)
+            if not rows.any():
+                break
             real = guess[valid]  # (N, D)
-            reg = F.smooth_l1_loss(real.float(), nxt)
-            # KL(target || drafter) over the kept rows at every real pair; the cross-entropy is unused (only
+            reg = F.smooth_l1_loss(real[rows].float(), nxt[rows])
+            # KL(target || drafter) over the kept rows at every scored pair; the cross-entropy is unused (only
             # its hit count, the agreement with the target's continuation, is logged)
-            _, kl, hits = head_loss(real, head, small, target, scored, every, top=1)
+            _, kl, hits = head_loss(real, head, small, target, scored & rows, rows, top=1)
             loss = loss + (self.reg_weight * reg + self.kl_weight * kl) / self.unroll
-            suffix = "" if step == 0 else f"{step + 1}"
+            suffix = "" if s == 1 else str(s)
             logs |= {f"reg{suffix}": float(reg.detach()), f"kl{suffix}": float(kl.detach()),
-                     f"acc{suffix}": float(hits[0]) / max(1, int(scored.sum()))}
-            feats = torch.cat([feats[:, :1], guess[:, :-1]], 1)
+                     f"acc{suffix}": float(hits[0]) / max(1, int((scored & rows).sum()))}
         return loss, logs
 
     def save(self, module: nn.Module, out_dir: Path, meta: dict[str, Any]) -> None:

@@ -6,7 +6,8 @@ What differs from EAGLE-1/2's recipe (heads/eagle.py):
 - no feature regression: the only loss is the token loss, KL(target || drafter) over the draft vocabulary;
 - the training-time test: pass s > 1 feeds pair t the drafter's own pre-norm output of pass s - 1 at pair
   t - 1 where the fused feature stood, and lets it attend to real pairs up to t - (s - 1) and to its own
-  earlier guesses after them (`ttt_mask`), which is what drafting the s-th token shows it; no feature noise;
+  earlier guesses after them (heads/training_time_test.py), what drafting the s-th token shows it; no
+  feature noise;
 - the draft vocabulary's output head is the drafter's own (trained), started from the target's rows.
 
 The trainer reads the taps from one target pass over the distilled sequences, cached on disk next to the
@@ -29,42 +30,12 @@ from heads.draft_model import target_embedding, target_head, vocab_maps
 from heads.eagle import _final_norm_weight, eagle_args, init_fresh, parse_save_dtype
 from heads.eagle3 import Eagle3Net, default_layers
 from heads.head_loss import head_loss, target_distribution
+from heads.training_time_test import PassStack, ttt_mask
 from specdec.errors import SpecdecError
 from specdec.models.llama import rope_inv_freq
 from specdec.models.loader import LoadedModel
 
 TRAIN_META = "train.json"
-
-
-class PassStack:
-    """The training-time test's KV cache: each pass's keys and values, kept so that a later pass attends to
-    them, (B, Hkv, T, hd) per pass and layer (one layer here), returned concatenated along the key axis."""
-
-    def __init__(self) -> None:
-        self.k: list[Tensor] = []
-        self.v: list[Tensor] = []
-
-    def reserve(self, n_new: int) -> None:
-        pass
-
-    def write(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        self.k.append(k)
-        self.v.append(v)
-        return torch.cat(self.k, 2), torch.cat(self.v, 2)  # (B, Hkv, s T, hd)
-
-    def advance(self, n_new: int) -> None:
-        pass
-
-
-def ttt_mask(T: int, s: int, device: torch.device) -> Tensor:
-    """(1, 1, T, s T) which keys pair j attends to at pass s (1-based) of the training-time test, the keys of
-    pass r in columns (r - 1) T .. r T: pass 1's pairs j' <= j - (s - 1), whose features are real, then the
-    diagonal j' = j - (s - r) of each later pass r, the drafter's own earlier guesses. That is what drafting
-    shows the drafter at its s-th token after the last verified pair j - (s - 1)."""
-    j = torch.arange(T, device=device)
-    blocks = [j[None, :] <= (j[:, None] - (s - 1))]
-    blocks += [j[None, :] == (j[:, None] - (s - r)) for r in range(2, s + 1)]
-    return torch.cat(blocks, 1)[None, None]
 
 
 class Eagle3TrainModule(nn.Module):

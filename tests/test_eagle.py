@@ -226,7 +226,7 @@ def test_saved_drafter_round_trips_and_refuses_another_target(tiny_target: Loade
     ids = torch.tensor([[5, 9, 31, 7, 2]])
     feats = torch.randn(1, 5, tiny_target.hidden_size)
     with torch.no_grad():
-        ref_h = module(ids, feats)
+        ref_h = module(ids, feats)[0]
         ref_logits = module.net.lm_head(ref_h)
         cache = net.new_cache(64)
         logits, h = net(ids, feats, torch.arange(5)[None], cache, cache.attention_mask(None, 5))
@@ -282,7 +282,7 @@ def test_training_loss_is_the_plain_formula(tiny_target: LoadedModel) -> None:
     p_log = F.log_softmax(nxt @ head.T, -1)
     feats, want_loss = hidden[:, :-1], torch.zeros((), dtype=torch.float64)
     for _ in range(2):
-        guess = module(ids[:, 1:], feats)
+        guess = module(ids[:, 1:], feats)[0]
         q_log = F.log_softmax(guess[valid] @ head.T, -1)
         kl = F.kl_div(q_log, p_log, log_target=True, reduction="batchmean")
         want_loss = want_loss + (F.smooth_l1_loss(guess[valid], nxt) + kl) / 2
@@ -292,6 +292,78 @@ def test_training_loss_is_the_plain_formula(tiny_target: LoadedModel) -> None:
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w)
     assert set(logs) == {"reg", "kl", "acc", "reg2", "kl2", "acc2"} and 0 <= logs["acc"] <= 1
+
+
+@pytest.mark.parametrize("layers", [1, 2])
+def test_drafting_context_passes_are_what_drafting_computes(layers: int) -> None:
+    """head.context=drafting: pass s at pair j equals drafting's s-th token after the last verified pair
+    j - (s - 1), the drafter run causally over real pairs and then over its own guesses, each fed to the next
+    pair. The guessed context, whose later passes attend to guesses only, does not."""
+    from heads.batches import NoCache
+    from heads.eagle import EagleNet, EagleTrainModule
+    from specdec.models.llama import LlamaArgs
+
+    torch.manual_seed(0)
+    args = LlamaArgs(dim=32, n_layers=layers, n_heads=4, n_kv_heads=2, vocab_size=64, hidden_dim=48, head_dim=8,
+                     norm_eps=1e-5, rope_theta=10000.0, max_position=64, tie_embeddings=False, qkv_bias=False,
+                     o_bias=False)
+    net = EagleNet(args, 64).eval()
+    module = EagleTrainModule(net)
+    T, unroll = 9, 3
+    tokens, feats = torch.randint(0, 64, (1, T)), torch.randn(1, T, 32)
+    pos = torch.arange(T)[None]
+    causal = torch.ones(T, T, dtype=torch.bool).tril()[None, None]
+    with torch.no_grad():
+        exact, guessed = module(tokens, feats, unroll, "drafting"), module(tokens, feats, unroll, "guessed")
+        torch.testing.assert_close(exact[0], guessed[0])  # pass 1: real features, causal, in both
+        for s in range(1, unroll + 1):
+            for j in range(s - 1, T):
+                seen = feats[:, :j - s + 2]  # real pairs up to the last verified one
+                while seen.shape[1] < j + 1:  # then each guess becomes the next pair's feature
+                    n = seen.shape[1]
+                    _, h = net(tokens[:, :n], seen, pos[:, :n], NoCache(), causal[..., :n, :n])
+                    seen = torch.cat([seen, h[:, -1:]], 1)
+                _, h = net(tokens[:, :j + 1], seen, pos[:, :j + 1], NoCache(), causal[..., :j + 1, :j + 1])
+                torch.testing.assert_close(exact[s - 1][0, j], h[0, j], atol=1e-5, rtol=1e-5)
+        assert not torch.allclose(guessed[1][0, 2:], exact[1][0, 2:], atol=1e-3)
+
+
+def test_drafting_context_scores_pairs_with_real_context_only(tiny_target: LoadedModel) -> None:
+    """Under head.context=drafting, pass s's loss is the plain formula over pairs t >= s - 1 (real, unpadded)
+    only, the passes averaged; the logged agreement is per pass."""
+    import torch.nn.functional as F
+
+    torch.manual_seed(0)
+    trainable = EagleTrainable(kept_vocab=0, save_dtype="fp32", noise=0.0, unroll=3, context="drafting")
+    module = trainable.build(tiny_target, None).double()
+    B, T, D = 2, 10, tiny_target.hidden_size
+    ids = torch.randint(3, tiny_target.vocab_size, (B, T))
+    mask = torch.ones(B, T, dtype=torch.long)
+    mask[1, 6:] = 0
+    labels = torch.where(mask.bool(), torch.roll(ids, -1, 1), -100)
+    hidden = torch.randn(B, T, D, dtype=torch.float64)
+    batch = {"input_ids": ids, "labels": labels, "attention_mask": mask}
+    params = [p for p in module.parameters() if p.requires_grad]
+    loss, logs = trainable.loss(module, batch, hidden)
+    got = torch.autograd.grad(loss, params)
+
+    valid = mask[:, 1:].bool()
+    head = module.net.lm_head.weight
+    want_loss = torch.zeros((), dtype=torch.float64)
+    for s, guess in enumerate(module(ids[:, 1:], hidden[:, :-1], 3, "drafting"), 1):
+        keep = valid.clone()
+        keep[:, :s - 1] = False
+        nxt = hidden[:, 1:][keep]
+        kl = F.kl_div(F.log_softmax(guess[keep] @ head.T, -1), F.log_softmax(nxt @ head.T, -1), log_target=True,
+                      reduction="batchmean")
+        want_loss = want_loss + (F.smooth_l1_loss(guess[keep], nxt) + kl) / 3
+    want = torch.autograd.grad(want_loss, params)
+    torch.testing.assert_close(loss, want_loss)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w)
+    assert {"acc", "acc2", "acc3"} <= set(logs)
+    with pytest.raises(SpecdecError, match="head.context"):
+        EagleTrainable(context="real")
 
 
 def test_training_can_start_from_a_saved_drafter(tmp_path: Path, tiny_target: LoadedModel) -> None:
@@ -309,7 +381,7 @@ def test_training_can_start_from_a_saved_drafter(tmp_path: Path, tiny_target: Lo
     with torch.no_grad():
         cache = net.new_cache(64)
         want = net(ids, feats, torch.arange(5)[None], cache, cache.attention_mask(None, 5))
-        guess = module(ids, feats)
+        guess = module(ids, feats)[0]
         torch.testing.assert_close(guess, want[1], atol=1e-5, rtol=1e-4)
         torch.testing.assert_close(module.net.lm_head(guess), want[0], atol=1e-5, rtol=1e-4)
     with initialize_config_dir(str(CONFIG_DIR), version_base=None):
