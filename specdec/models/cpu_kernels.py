@@ -473,7 +473,7 @@ BLOCK_BYTES = 8 << 20
 # Matrices of up to this many weights are unpacked as W, for exactly the GEMM over a dense W: OpenBLAS
 # runs products this small through kernels that sum in another order for each layout.
 SMALL_MATRIX = 1 << 18
-TILED_ROWS = 64  # passes up to this many rows (the fused stack's FUSED_ROWS) stay on the tile kernels
+TILED_ROWS = 64  # passes up to this many rows stay on the tile kernels (cpu_layer.FUSED_ROWS is this)
 _scratch = threading.local()
 
 

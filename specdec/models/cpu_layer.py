@@ -29,9 +29,10 @@ from specdec.models import cpu_kernels
 from specdec.models.llama import Block, Llama, PassThroughNorm, RMSNorm
 
 # The most new tokens one fused pass takes; engines prefill in chunks of this many. Prompt chunks, too,
-# run faster here than through BLAS over weights unpacked from the panels: a 150-token SmolLM2-135M
-# prefill took 0.24 s in chunks of 64 against 1.7 s through BLAS (experiments/README.md, 2026-12-02).
-FUSED_ROWS = 64
+# run faster here than through BLAS over weights unpacked from the panels (experiments/README.md,
+# 2026-12-02). The products' own limit for the tile kernels, so that every row of such a pass keeps a
+# one-row pass's bits on the module path too.
+FUSED_ROWS = cpu_kernels.TILED_ROWS
 
 
 if cpu_kernels.available():
