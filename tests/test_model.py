@@ -15,6 +15,7 @@ from torch import Tensor
 from specdec.engine.engine import HFEngine, StaticEngine
 from specdec.errors import SpecdecError
 from specdec.models import cpu_kernels, llama
+from specdec.models.cpu_layer import FUSED_ROWS
 from specdec.models.llama import LlamaArgs
 from specdec.models.loader import LoadedModel
 
@@ -336,18 +337,21 @@ def test_fused_cpu_tree_nodes_equal_their_paths_bitwise(load_tiny: Callable[...,
         assert torch.equal(last[-1], logits[node]), node
 
 
-def test_fused_cpu_trees_past_one_call_equal_their_paths_bitwise(load_tiny: Callable[..., LoadedModel]) -> None:
-    """The papers' tree sizes (about 60 nodes, experiment=paper_trees) pass more than MAX_ROWS tokens, past the
-    one-call fused stack: each node still gets bitwise the logits of decoding its path one token at a time."""
+@pytest.mark.parametrize("nodes", [60, 100])
+def test_fused_cpu_trees_past_one_call_equal_their_paths_bitwise(load_tiny: Callable[..., LoadedModel],
+                                                                nodes: int) -> None:
+    """The papers' tree sizes (about 60 nodes, experiment=paper_trees) pass more rows than one tile of the CPU
+    kernels, and larger trees more than one fused call takes (FUSED_ROWS): each node still gets bitwise the
+    logits of decoding its path one token at a time, so verification never sees a BLAS product's bits."""
     from specdec.trees import tree_depth, tree_mask
 
     model = load_tiny("llama", matmul="numba").model
     ids = random_ids(12, VOCAB, seed=11)
     gen = torch.Generator().manual_seed(3)
-    parents = [int(torch.randint(0, max(1, i // 3 + 1), (), generator=gen)) for i in range(60)]  # node i+1's parent
-    tokens = random_ids(61, VOCAB, seed=12)  # the root, then one token per node
-    assert len(tokens) > cpu_kernels.MAX_ROWS
-    engine = StaticEngine(model, 128, prefill_chunk=8)
+    parents = [int(torch.randint(0, max(1, i // 3 + 1), (), generator=gen)) for i in range(nodes)]  # node i+1's
+    tokens = random_ids(nodes + 1, VOCAB, seed=12)  # the root, then one token per node
+    assert len(tokens) > (cpu_kernels.MAX_ROWS if nodes < FUSED_ROWS else FUSED_ROWS)
+    engine = StaticEngine(model, 160, prefill_chunk=8)
     engine.prefill(ids)
     logits = engine.forward(torch.tensor(tokens), depth=tree_depth(parents), mask=tree_mask(parents)).logits
     for node in range(len(tokens)):
@@ -357,11 +361,25 @@ def test_fused_cpu_trees_past_one_call_equal_their_paths_bitwise(load_tiny: Call
             if n == 0:
                 break
             n = parents[n - 1]
-        seq = StaticEngine(model, 128, prefill_chunk=8)
+        seq = StaticEngine(model, 160, prefill_chunk=8)
         seq.prefill(ids)
         for t in path:
             last = seq.forward(torch.tensor([t])).logits
         assert torch.equal(last[-1], logits[node]), node
+
+
+def test_fused_stack_takes_long_passes_only_in_row_order(load_tiny: Callable[..., LoadedModel]) -> None:
+    """Past FUSED_ROWS rows the fused stack runs consecutive calls, so it takes a long pass only when no row
+    sees a token of a later call; otherwise (or with no mask to check) the torch path runs it."""
+    model = load_tiny("llama", matmul="numba").model
+    fused, T = model.fused, FUSED_ROWS + 36
+    cache = model.new_cache(2 * T)
+    x = torch.zeros(1, T, model.args.dim)
+    chain = cache.attention_mask(None, T)  # (1, 1, T, S)
+    assert fused.takes(x, chain, cache) and fused.takes(x[:, :FUSED_ROWS])
+    ahead = chain.clone()
+    ahead[0, 0, FUSED_ROWS - 1, -1] = True  # the first call's last row sees the last row
+    assert not fused.takes(x, ahead, cache) and not fused.takes(x) and not fused.takes(x.expand(2, T, -1), chain, cache)
 
 
 def test_auto_matmul_leaves_the_model_running_the_kind_it_reports(load_tiny: Callable[..., LoadedModel]) -> None:

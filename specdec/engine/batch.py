@@ -116,7 +116,7 @@ class BatchEngine:
                                    "generation.max_new_tokens")
         if self.fused is not None and (len(feeds) > 1 or self.fused.takes(next(iter(feeds.values())).tokens[None])):
             return self._step_fused(feeds)
-        if len(feeds) == 1:  # alone (a prompt chunk): the batch-1 path, BLAS for long chunks
+        if len(feeds) == 1:  # alone (a prompt chunk; on the CPU kernels, a feed past FUSED_ROWS)
             return self._step_alone(*feeds.items())
         if max(len(f.tokens) for f in feeds.values()) > PAD_ROOM:  # rows past the room: one slot at a time
             return {b: out for item in feeds.items() for b, out in self._step_alone(item).items()}

@@ -10,7 +10,9 @@ input norm or of the final norm (EAGLE-1's drafter layout) is skipped there too 
 
 Up to `FUSED_ROWS` new tokens (decode steps, drafts, token trees, prompt chunks) of one sequence, or
 the rows of several sequences of a batched cache at once (`FusedStack.run_segments`: the linears run
-once over every row, attention per sequence); longer passes take the torch path (`Block.forward`).
+once over every row, attention per sequence). A longer pass of one sequence runs as consecutive calls of
+FUSED_ROWS rows when its mask lets no row see a later call's token (trees and chains: each row keeps a
+one-row pass's bits); other long passes take the torch path (`Block.forward`).
 
 Attention reads K and V as panels the tile kernels multiply by (`KVCache.keep_panels`, kept beside the
 plain K/V that the torch path reads): before, a pass over 6 tokens (a 5-node tree) cost 1.13x a one-token
@@ -288,8 +290,21 @@ class FusedStack:
         self.final_normed = not isinstance(model.norm, PassThroughNorm)
         self._rope = np.empty((0, self.head_dim // 2, 2), dtype=np.float32)
 
-    def takes(self, x: Tensor) -> bool:
-        return x.shape[0] == 1 and x.shape[1] <= FUSED_ROWS
+    rows = FUSED_ROWS
+
+    def takes(self, x: Tensor, mask: Tensor | None = None, cache: object = None) -> bool:
+        """One sequence's pass (1, T, dim): up to FUSED_ROWS rows in one call; more, given the KV cache and
+        a mask (1, 1, T, S), as consecutive calls over FUSED_ROWS rows each, when no row sees a later call's
+        token (chains, and trees listed parents first), so every row keeps a one-row pass's bits."""
+        if x.shape[0] != 1:
+            return False
+        T = x.shape[1]
+        if T <= FUSED_ROWS:
+            return True
+        if mask is None or not isinstance(cache, KVCache):
+            return False
+        n = mask.shape[-1] - T  # cached slots: the new tokens' own start at n
+        return not any(bool(mask[0, 0, s:s + FUSED_ROWS, n + s + FUSED_ROWS:].any()) for s in range(0, T, FUSED_ROWS))
 
     def rope(self, model: Llama, positions: np.ndarray) -> np.ndarray:
         """cos/sin (T, D/2, 2) of `positions` (T,), read from a table grown by doubling."""
@@ -305,13 +320,19 @@ class FusedStack:
         """Final-norm hidden states (1, T, dim) of the layers' input x (1, T, dim); K/V written to the cache
         after sequence 0's cached tokens (its length is the caller's to advance, as Llama.forward does).
         taps: append to `seen` the input of each of these layers (1, T, dim), in layer order."""
-        segment = np.array([[0, cache.lengths[0], 0, x.shape[1]]], dtype=np.int64)
-        m = None if mask is None else mask[0, 0].numpy()  # (T, S)
-        found: list[Tensor] = []
-        h = self.run_segments(model, x[0], positions[0], cache, segment, m, taps, found)[None]
+        T, n = x.shape[1], cache.lengths[0]
+        m = None if mask is None else mask[0, 0].numpy()  # (T, S), S = n + T
+        hs: list[Tensor] = []
+        found: list[list[Tensor]] = []
+        for s in range(0, T, FUSED_ROWS):  # one call unless T > FUSED_ROWS (`takes` checked the mask allows it)
+            e = min(T, s + FUSED_ROWS)
+            segment = np.array([[0, n + s, 0, e - s]], dtype=np.int64)
+            found.append([])
+            hs.append(self.run_segments(model, x[0, s:e], positions[0, s:e], cache, segment,
+                                        None if m is None else m[s:e, :n + e], taps, found[-1]))
         if seen is not None:
-            seen.extend(t[None] for t in found)
-        return h
+            seen.extend(torch.cat(parts)[None] for parts in zip(*found))
+        return torch.cat(hs)[None] if len(hs) > 1 else hs[0][None]
 
     def run_segments(self, model: Llama, x: Tensor, positions: Tensor, cache: KVCache,
                      segments: np.ndarray, mask: np.ndarray | None, taps: tuple[int, ...] = (),

@@ -224,7 +224,10 @@ def static_mask(slots: Tensor, tree: Tensor, size: int) -> Tensor:
 class WholePass(Protocol):
     """A faster way to run the whole stack for some inputs (cpu_layer.FusedStack: CPU, a few tokens)."""
 
-    def takes(self, x: Tensor) -> bool: ...  # x: (B, T, dim), the layers' input
+    rows: int  # the most rows one call of it runs; `head` multiplies at most this many at a time
+
+    def takes(self, x: Tensor, mask: Tensor | None = None,
+              cache: object = None) -> bool: ...  # x: (B, T, dim), the layers' input; mask (B, 1, T, S)
 
     def __call__(self, model: Llama, x: Tensor, positions: Tensor, cache: KVCache, mask: Tensor | None,
                  taps: tuple[int, ...] = (), seen: list[Tensor] | None = None
@@ -277,16 +280,25 @@ class Llama(NormPlaced):
         cache.reserve(tokens.shape[1])
         h = self.run_layers(self.embed(tokens), positions, cache, mask)  # (B, T, dim)
         cache.advance(tokens.shape[1])
+        return self.head(h[:, logits_from:]), h
+
+    def head(self, h: Tensor) -> Tensor:
+        """Logits (B, T, V) of final-norm hidden states (B, T, dim). Under the CPU kernels one sequence's rows
+        go `fused.rows` at a time, each then bitwise a one-row pass's (a BLAS product over more would not be)."""
         # A sliced (B, T', D) view is not contiguous when B > 1; torch would run it as a bmm against B
         # expanded copies of the output head (most of a batched prefill in a profile), so copy the rows instead.
-        return self.lm_head(h[:, logits_from:].contiguous()), h
+        T = h.shape[1]
+        if self.fused is None or h.shape[0] != 1 or T <= self.fused.rows:
+            return self.lm_head(h.contiguous())
+        step = self.fused.rows
+        return torch.cat([self.lm_head(h[:, s:s + step].contiguous()) for s in range(0, T, step)], 1)
 
     def run_layers(self, x: Tensor, positions: Tensor, cache: KVCache, mask: Tensor | None,
                    taps: tuple[int, ...] = (), seen: list[Tensor] | None = None) -> Tensor:
         """The layers and the final norm over inputs x (B, T, dim) -> hidden states (B, T, dim).
         taps: append to `seen` the residual stream entering each of these layers (B, T, dim), in layer
         order (the fused stack too, one call per stretch of layers between taps)."""
-        if self.fused is not None and self.fused.takes(x):
+        if self.fused is not None and self.fused.takes(x, mask, cache):
             return self.fused(self, x, positions, cache, mask, taps, seen)
         freqs = self.rope(positions)
         for i, block in enumerate(self.layers):
@@ -303,7 +315,7 @@ class Llama(NormPlaced):
         seen: list[Tensor] = []
         h = self.run_layers(self.embed(tokens), positions, cache, mask, taps, seen)  # (B, T, dim)
         cache.advance(tokens.shape[1])
-        return self.lm_head(h[:, logits_from:].contiguous()), h, torch.cat(seen, -1)
+        return self.head(h[:, logits_from:]), h, torch.cat(seen, -1)
 
     def forward_static(self, tokens: Tensor, positions: Tensor, slots: Tensor, tree: Tensor,
                        cache: KVCache, taps: tuple[int, ...] = (), keep: Tensor | None = None) -> tuple[Tensor, Tensor]:
