@@ -376,10 +376,24 @@ def test_fused_stack_takes_long_passes_only_in_row_order(load_tiny: Callable[...
     cache = model.new_cache(2 * T)
     x = torch.zeros(1, T, model.args.dim)
     chain = cache.attention_mask(None, T)  # (1, 1, T, S)
-    assert fused.takes(x, chain, cache) and fused.takes(x[:, :FUSED_ROWS])
+    assert fused.takes(x, chain, cache) and fused.takes(x[:, :FUSED_ROWS], None, cache)
     ahead = chain.clone()
     ahead[0, 0, FUSED_ROWS - 1, -1] = True  # the first call's last row sees the last row
-    assert not fused.takes(x, ahead, cache) and not fused.takes(x) and not fused.takes(x.expand(2, T, -1), chain, cache)
+    assert not fused.takes(x, ahead, cache) and not fused.takes(x, None, cache)
+    assert not fused.takes(x.expand(2, T, -1), chain, cache) and not fused.takes(x[:, :8], chain[..., :8, :8])
+
+
+def test_training_pass_of_one_short_sequence_runs_under_the_cpu_kernels(load_tiny: Callable[..., LoadedModel]) -> None:
+    """A training forward has no KV cache (heads/batches.py NoCache): one short sequence, which the fused stack
+    would otherwise take, runs the torch path, with and without EAGLE-3's layer taps."""
+    from heads.batches import target_hidden
+
+    ids = torch.tensor([random_ids(10, VOCAB, seed=13)])
+    fast, plain = load_tiny("llama", matmul="numba"), load_tiny("llama")
+    for taps in ((), (0, 1)):
+        got, want = (target_hidden(m, ids, torch.ones_like(ids), taps) for m in (fast, plain))
+        assert got.shape == want.shape == (1, 10, 64 * (1 + len(taps)))
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
 def test_auto_matmul_leaves_the_model_running_the_kind_it_reports(load_tiny: Callable[..., LoadedModel]) -> None:

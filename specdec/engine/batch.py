@@ -114,7 +114,8 @@ class BatchEngine:
                 raise SpecdecError(f"KV cache overflow: {self.cache.lengths[b] + len(f.tokens)} positions needed "
                                    f"but a slot holds {self.max_len}; shorten the prompt or lower "
                                    "generation.max_new_tokens")
-        if self.fused is not None and (len(feeds) > 1 or self.fused.takes(next(iter(feeds.values())).tokens[None])):
+        alone = next(iter(feeds.values())).tokens[None]  # (1, T): what `takes` reads of a single feed
+        if self.fused is not None and (len(feeds) > 1 or self.fused.takes(alone, None, self.cache)):
             return self._step_fused(feeds)
         if len(feeds) == 1:  # alone (a prompt chunk; on the CPU kernels, a feed past FUSED_ROWS)
             return self._step_alone(*feeds.items())

@@ -293,15 +293,16 @@ class FusedStack:
     rows = FUSED_ROWS
 
     def takes(self, x: Tensor, mask: Tensor | None = None, cache: object = None) -> bool:
-        """One sequence's pass (1, T, dim): up to FUSED_ROWS rows in one call; more, given the KV cache and
-        a mask (1, 1, T, S), as consecutive calls over FUSED_ROWS rows each, when no row sees a later call's
-        token (chains, and trees listed parents first), so every row keeps a one-row pass's bits."""
-        if x.shape[0] != 1:
+        """One sequence's pass (1, T, dim) against a KV cache (a training pass without one takes the torch path):
+        up to FUSED_ROWS rows in one call; more, given a mask (1, 1, T, S), as consecutive calls over FUSED_ROWS
+        rows each, when no row sees a later call's token (chains, and trees listed parents first), so every row
+        keeps a one-row pass's bits."""
+        if x.shape[0] != 1 or not isinstance(cache, KVCache):
             return False
         T = x.shape[1]
         if T <= FUSED_ROWS:
             return True
-        if mask is None or not isinstance(cache, KVCache):
+        if mask is None:
             return False
         n = mask.shape[-1] - T  # cached slots: the new tokens' own start at n
         return not any(bool(mask[0, 0, s:s + FUSED_ROWS, n + s + FUSED_ROWS:].any()) for s in range(0, T, FUSED_ROWS))
