@@ -380,6 +380,7 @@ def test_fused_stack_takes_long_passes_only_in_row_order(load_tiny: Callable[...
     ahead = chain.clone()
     ahead[0, 0, FUSED_ROWS - 1, -1] = True  # the first call's last row sees the last row
     assert not fused.takes(x, ahead, cache) and not fused.takes(x, None, cache)
+    assert not fused.takes(x, chain[..., :-1], cache)  # not over the cached slots plus the new tokens: unchecked
     assert not fused.takes(x.expand(2, T, -1), chain, cache) and not fused.takes(x[:, :8], chain[..., :8, :8])
 
 

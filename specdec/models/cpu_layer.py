@@ -302,9 +302,9 @@ class FusedStack:
         T = x.shape[1]
         if T <= FUSED_ROWS:
             return True
-        if mask is None:
+        n = cache.lengths[0]  # cached slots: the new tokens' own start at n
+        if mask is None or mask.shape[-1] != n + T:
             return False
-        n = mask.shape[-1] - T  # cached slots: the new tokens' own start at n
         return not any(bool(mask[0, 0, s:s + FUSED_ROWS, n + s + FUSED_ROWS:].any()) for s in range(0, T, FUSED_ROWS))
 
     def rope(self, model: Llama, positions: np.ndarray) -> np.ndarray:
