@@ -155,6 +155,35 @@ def test_ragged_rollback_and_compaction_match_a_fresh_prefill(load_tiny: Callabl
         torch.testing.assert_close(engine.cache.v[:, b, :, :n], fresh.cache.v[:, 0, :, :n], atol=1e-5, rtol=1e-4)
 
 
+@pytest.mark.skipif(not cpu_kernels.available(), reason="needs numba")
+def test_one_slots_tree_past_one_fused_call_equals_the_batch_1_pass(load_tiny: Callable[..., LoadedModel]) -> None:
+    """A single feed of more rows than one fused call takes (a 100-node tree) runs through the slot's own view of
+    the batch cache: its logits, and the next step's that reads the K/V and panels it wrote, are bitwise the
+    batch-1 engine's, beside another slot, and a node's are those of decoding its path one token at a time."""
+    model = load_tiny("llama", matmul="numba").model
+    rng = random.Random(5)
+    parents = [rng.randrange(0, i // 3 + 1) for i in range(100)]
+    tokens = torch.tensor([rng.randrange(500) for _ in range(101)])
+    prompt = [rng.randrange(500) for _ in range(20)]
+    engine, lone = BatchEngine(model, batch=2, max_len=256), StaticEngine(model, 256)
+    engine.prefill(0, [rng.randrange(500) for _ in range(9)])
+    engine.prefill(1, prompt)
+    lone.prefill(prompt)
+    got = engine.step({1: Feed(tokens, tree_depth(parents), tree_mask(parents))})[1].logits
+    assert torch.equal(got, lone.forward(tokens, tree_depth(parents), tree_mask(parents)).logits)
+    nxt = torch.tensor([7])
+    assert torch.equal(engine.step({1: Feed(nxt)})[1].logits, lone.forward(nxt).logits)
+    path, n = [100], 100  # the last node, decoded along its path one token at a time
+    while n:
+        n = parents[n - 1]
+        path.insert(0, n)
+    steps = StaticEngine(model, 256)
+    steps.prefill(prompt)
+    for n in path:
+        last = steps.forward(tokens[n:n + 1]).logits
+    assert torch.equal(got[100], last[0])
+
+
 def test_a_strategy_that_cannot_batch_says_so(tiny_target: LoadedModel) -> None:
     from specdec.strategies.lookahead import Lookahead
 
