@@ -159,16 +159,18 @@ def test_ragged_rollback_and_compaction_match_a_fresh_prefill(load_tiny: Callabl
 def test_one_slots_tree_past_one_fused_call_equals_the_batch_1_pass(load_tiny: Callable[..., LoadedModel]) -> None:
     """A single feed of more rows than one fused call takes (a 100-node tree) runs through the slot's own view of
     the batch cache: its logits, and the next step's that reads the K/V and panels it wrote, are bitwise the
-    batch-1 engine's, beside another slot, and a node's are those of decoding its path one token at a time."""
+    batch-1 engine's, beside another slot, and a node's are those of decoding its path one token at a time. Two
+    slots' trees in one pass, more wanted logits than one fused call's rows, are each the batch-1 pass's too."""
     model = load_tiny("llama", matmul="numba").model
     rng = random.Random(5)
     parents = [rng.randrange(0, i // 3 + 1) for i in range(100)]
     tokens = torch.tensor([rng.randrange(500) for _ in range(101)])
-    prompt = [rng.randrange(500) for _ in range(20)]
-    engine, lone = BatchEngine(model, batch=2, max_len=256), StaticEngine(model, 256)
-    engine.prefill(0, [rng.randrange(500) for _ in range(9)])
+    prompt, other = [rng.randrange(500) for _ in range(20)], [rng.randrange(500) for _ in range(9)]
+    engine, lone, lone0 = BatchEngine(model, batch=2, max_len=256), StaticEngine(model, 256), StaticEngine(model, 256)
+    engine.prefill(0, other)
     engine.prefill(1, prompt)
     lone.prefill(prompt)
+    lone0.prefill(other)
     got = engine.step({1: Feed(tokens, tree_depth(parents), tree_mask(parents))})[1].logits
     assert torch.equal(got, lone.forward(tokens, tree_depth(parents), tree_mask(parents)).logits)
     nxt = torch.tensor([7])
@@ -182,6 +184,12 @@ def test_one_slots_tree_past_one_fused_call_equals_the_batch_1_pass(load_tiny: C
     for n in path:
         last = steps.forward(tokens[n:n + 1]).logits
     assert torch.equal(got[100], last[0])
+    # both slots at once, 2 x 41 rows: one fused pass whose logits (Llama.head) exceed one call's rows
+    small = [rng.randrange(0, i + 1) for i in range(40)]
+    feed = Feed(tokens[:41], tree_depth(small), tree_mask(small))
+    both = engine.step({0: feed, 1: feed})
+    assert torch.equal(both[0].logits, lone0.forward(feed.tokens, feed.depth, feed.mask).logits)
+    assert torch.equal(both[1].logits, lone.forward(feed.tokens, feed.depth, feed.mask).logits)
 
 
 def test_a_strategy_that_cannot_batch_says_so(tiny_target: LoadedModel) -> None:

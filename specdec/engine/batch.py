@@ -21,7 +21,6 @@ from torch import Tensor
 from specdec.engine.engine import ForwardOut, fused_chunk
 from specdec.engine.kv_cache import KVCache
 from specdec.errors import SpecdecError
-from specdec.models.cpu_kernels import MAX_ROWS
 
 PAD_ROOM = 64  # the most rows a padded (torch-path) pass gives each slot
 
@@ -139,10 +138,8 @@ class BatchEngine:
         want = [torch.arange(r.start + f.logits_from, r.stop) for (b, f), r in zip(feeds.items(), rows.values())]
         picked = torch.cat(want)
         wanted = h[picked.to(h.device)]  # (R', D)
-        # at most MAX_ROWS rows per product: the rows of the CPU kernels' tiles are computed each on its
-        # own, so a token's logits are bitwise those of a batch-1 pass (a BLAS product above is not)
-        logits = torch.cat([self.model.lm_head(wanted[i:i + MAX_ROWS][None])[0].float()
-                            for i in range(0, len(wanted), MAX_ROWS)]) if len(wanted) else h.new_zeros(0, 0)
+        # the model's own head split (Llama.head): a token's logits are bitwise those of a batch-1 pass
+        logits = self.model.head(wanted[None])[0].float() if len(wanted) else h.new_zeros(0, 0)
         out, at = {}, 0
         for b, r, w in zip(feeds, rows.values(), want):
             out[b] = ForwardOut(logits[at:at + len(w)], h[r])
