@@ -3,7 +3,9 @@ prints A's speedup over B (tokens/s ratio) with a 95% paired bootstrap interval 
 (specdec.metrics.speedup_ci, as summary.json's `speedup_ci` against the baseline). An interval holding
 1 is a tie: choose defaults on held-apart runs only (experiments/heldapart/). `--exclude FILE` leaves out the
 questions it lists (one id a line, `#` comments), e.g. those of a held-apart set that a checkpoint was trained
-on (experiments/heldapart_overlap.py); `--only FILE` keeps just those, to read the overlapping part itself."""
+on (experiments/heldapart_overlap.py); `--only FILE` keeps just those, to read the overlapping part itself.
+Several run folders (`paired.py RUN1 RUN2 ... A B`) pool their questions into one ratio and one bootstrap:
+the same comparison over several held-apart sets, each question counted once."""
 
 from __future__ import annotations
 
@@ -16,27 +18,43 @@ from specdec.metrics import speedup_ci
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("run_dir", type=Path)
+    ap.add_argument("run_dirs", type=Path, nargs="+", metavar="run_dir", help="one run, or several to pool")
     ap.add_argument("a")
     ap.add_argument("b")
     ids = ap.add_mutually_exclusive_group()
     ids.add_argument("--exclude", type=Path, default=None, help="question ids to leave out, one a line")
     ids.add_argument("--only", type=Path, default=None, help="question ids to keep, one a line")
     args = ap.parse_args()
-    rows = [json.loads(line) for line in (args.run_dir / "answers.jsonl").read_text().splitlines() if line]
     flag, listed = ("--exclude", args.exclude) if args.exclude is not None else ("--only", args.only)
-    if listed is not None:
-        chosen = read_ids(flag, listed, rows, args.run_dir)
-        rows = [r for r in rows if (str(r["question_id"]) in chosen) == (flag == "--only")]
-    a = [r for r in rows if r["strategy"] == args.a]
-    b = [r for r in rows if r["strategy"] == args.b]
-    if not a or not b:
-        names = sorted({r["strategy"] for r in rows})
-        raise SystemExit(f"{args.run_dir} has no answers of {args.a if not a else args.b}; it holds {', '.join(names)}")
+    runs = {run_dir: read_answers(run_dir) for run_dir in args.run_dirs}
+    chosen = None if listed is None else read_ids(flag, listed, [r for rows in runs.values() for r in rows],
+                                                  ", ".join(map(str, runs)))
+    a: list[dict] = []
+    b: list[dict] = []
+    for run_dir, rows in runs.items():
+        if chosen is not None:
+            rows = [r for r in rows if (str(r["question_id"]) in chosen) == (flag == "--only")]
+        ra = [r for r in rows if r["strategy"] == args.a]
+        rb = [r for r in rows if r["strategy"] == args.b]
+        if not ra or not rb:
+            names = sorted({r["strategy"] for r in rows})
+            raise SystemExit(f"{run_dir} has no answers of {args.a if not ra else args.b}; it holds {', '.join(names)}")
+        if len(args.run_dirs) > 1:  # one bootstrap unit per question of each run: ids may repeat across runs
+            ra, rb = ([dict(r, question_id=f"{run_dir}:{r['question_id']}") for r in x] for x in (ra, rb))
+        a += ra
+        b += rb
     point, lo, hi = paired_ratio(a, b)
     verdict = "a tie" if lo <= 1 <= hi else ("better" if lo > 1 else "worse")
     left = f", {len(a)} answers after {flag}" if listed is not None else ""
-    print(f"{args.a} / {args.b}: {point:.3f} [{lo:.3f}, {hi:.3f}] ({verdict}{left}); tau {tau(a)} and {tau(b)}")
+    pooled = f", pooled over {len(args.run_dirs)} runs" if len(args.run_dirs) > 1 else ""
+    print(f"{args.a} / {args.b}: {point:.3f} [{lo:.3f}, {hi:.3f}] ({verdict}{left}{pooled}); tau {tau(a)} and {tau(b)}")
+
+
+def read_answers(run_dir: Path) -> list[dict]:
+    path = run_dir / "answers.jsonl"
+    if not path.is_file():
+        raise SystemExit(f"{run_dir}: no answers.jsonl; give the folder of a finished run (python -m specdec.run ...)")
+    return [json.loads(line) for line in path.read_text().splitlines() if line]
 
 
 def paired_ratio(a: list[dict], b: list[dict]) -> tuple[float, float, float]:
@@ -47,8 +65,8 @@ def paired_ratio(a: list[dict], b: list[dict]) -> tuple[float, float, float]:
     return point, lo, hi
 
 
-def read_ids(flag: str, path: Path, rows: list[dict], run_dir: Path) -> set[str]:
-    """The question ids listed in `path` (one a line, `#` comments); each must be a question of the run."""
+def read_ids(flag: str, path: Path, rows: list[dict], run_dir: str) -> set[str]:
+    """The question ids listed in `path` (one a line, `#` comments); each must be a question of the runs."""
     if not path.is_file():
         raise SystemExit(f"{flag} {path}: no such file; give a file of question ids, one a line")
     listed = {ln.strip() for ln in path.read_text().splitlines() if ln.strip() and not ln.startswith("#")}

@@ -278,6 +278,29 @@ def test_heldapart_overlap_and_paired_exclude_only(tmp_path: Path, monkeypatch: 
         paired.main()
 
 
+def test_paired_pools_several_runs_with_one_unit_per_question(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                              capsys: pytest.CaptureFixture[str]) -> None:
+    # Two held-apart runs whose question ids collide ("q0" in both): pooled, A's 4 answers against B's give
+    # 400 tokens in 5 s against 400 in 8 s, and the bootstrap draws four units, not the two distinct ids.
+    for name, times in (("one", [(1.0, 2.0), (1.0, 2.0)]), ("two", [(1.5, 2.0), (1.5, 2.0)])):
+        (tmp_path / name).mkdir()
+        rows = [{"question_id": f"q{i}", "strategy": s, "new_tokens": 100, "wall_time_s": t}
+                for i, (ta, tb) in enumerate(times) for s, t in (("a", ta), ("b", tb))]
+        (tmp_path / name / "answers.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    paired = _script("paired")
+    monkeypatch.setattr("sys.argv", ["paired.py", str(tmp_path / "one"), str(tmp_path / "two"), "a", "b"])
+    paired.main()
+    out = capsys.readouterr().out
+    assert out.startswith("a / b: 1.600 [1.333, 2.000] (better, pooled over 2 runs)")
+    # with ids merged across runs the units would be two pairs of equal questions: [1.6, 1.6] at every draw
+    monkeypatch.setattr("sys.argv", ["paired.py", str(tmp_path / "one"), "a", "b"])
+    paired.main()
+    assert capsys.readouterr().out.startswith("a / b: 2.000 [2.000, 2.000] (better)")
+    monkeypatch.setattr("sys.argv", ["paired.py", str(tmp_path / "one"), str(tmp_path / "none"), "a", "b"])
+    with pytest.raises(SystemExit, match="none: no answers.jsonl"):
+        paired.main()
+
+
 def test_phase_split_reads_each_questions_phase_from_the_baseline(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                                    capsys: pytest.CaptureFixture[str]) -> None:
     # Questions q0-q3 ran while a greedy step took 10 ms, q4-q7 while it took 20: A, at 25 ms a round of 2
