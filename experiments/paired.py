@@ -5,7 +5,8 @@ prints A's speedup over B (tokens/s ratio) with a 95% paired bootstrap interval 
 questions it lists (one id a line, `#` comments), e.g. those of a held-apart set that a checkpoint was trained
 on (experiments/heldapart_overlap.py); `--only FILE` keeps just those, to read the overlapping part itself.
 Several run folders (`paired.py RUN1 RUN2 ... A B`) pool their questions into one ratio and one bootstrap:
-the same comparison over several held-apart sets, each question counted once."""
+the same comparison over several held-apart sets, each question counted once. Where the runs name the two
+strategies differently, give one name per run, comma-separated: `paired.py R1 R2 a1,a2 b1,b2`."""
 
 from __future__ import annotations
 
@@ -19,26 +20,27 @@ from specdec.metrics import speedup_ci
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("run_dirs", type=Path, nargs="+", metavar="run_dir", help="one run, or several to pool")
-    ap.add_argument("a")
-    ap.add_argument("b")
+    ap.add_argument("a", help="a strategy of every run, or one per run: name1,name2,...")
+    ap.add_argument("b", help="the strategy to compare with, likewise")
     ids = ap.add_mutually_exclusive_group()
     ids.add_argument("--exclude", type=Path, default=None, help="question ids to leave out, one a line")
     ids.add_argument("--only", type=Path, default=None, help="question ids to keep, one a line")
     args = ap.parse_args()
     flag, listed = ("--exclude", args.exclude) if args.exclude is not None else ("--only", args.only)
     runs = {run_dir: read_answers(run_dir) for run_dir in args.run_dirs}
+    names_a, names_b = (per_run(n, len(runs)) for n in (args.a, args.b))
     chosen = None if listed is None else read_ids(flag, listed, [r for rows in runs.values() for r in rows],
                                                   ", ".join(map(str, runs)))
     a: list[dict] = []
     b: list[dict] = []
-    for run_dir, rows in runs.items():
+    for (run_dir, rows), name_a, name_b in zip(runs.items(), names_a, names_b):
         if chosen is not None:
             rows = [r for r in rows if (str(r["question_id"]) in chosen) == (flag == "--only")]
-        ra = [r for r in rows if r["strategy"] == args.a]
-        rb = [r for r in rows if r["strategy"] == args.b]
+        ra = [r for r in rows if r["strategy"] == name_a]
+        rb = [r for r in rows if r["strategy"] == name_b]
         if not ra or not rb:
             names = sorted({r["strategy"] for r in rows})
-            raise SystemExit(f"{run_dir} has no answers of {args.a if not ra else args.b}; it holds {', '.join(names)}")
+            raise SystemExit(f"{run_dir} has no answers of {name_a if not ra else name_b}; it holds {', '.join(names)}")
         if len(args.run_dirs) > 1:  # one bootstrap unit per question of each run: ids may repeat across runs
             ra, rb = ([dict(r, question_id=f"{run_dir}:{r['question_id']}") for r in x] for x in (ra, rb))
         a += ra
@@ -48,6 +50,16 @@ def main() -> None:
     left = f", {len(a)} answers after {flag}" if listed is not None else ""
     pooled = f", pooled over {len(args.run_dirs)} runs" if len(args.run_dirs) > 1 else ""
     print(f"{args.a} / {args.b}: {point:.3f} [{lo:.3f}, {hi:.3f}] ({verdict}{left}{pooled}); tau {tau(a)} and {tau(b)}")
+
+
+def per_run(names: str, runs: int) -> list[str]:
+    """`a` or `a1,...,aN`: the strategy's name in each of the N runs."""
+    listed = names.split(",")
+    if len(listed) == 1:
+        return listed * runs
+    if len(listed) != runs:
+        raise SystemExit(f"{names!r} names {len(listed)} strategies for {runs} runs; give one name, or one per run")
+    return listed
 
 
 def read_answers(run_dir: Path) -> list[dict]:

@@ -52,6 +52,11 @@ def left_padded(prompts: list[list[int]], max_new_tokens: int, device: torch.dev
     return tokens.to(device), positions.to(device), valid.to(device), mask.to(device)
 
 
+# Slots of continuous batching on the CPU kernels. On two cores more slots gain little, since the passes are
+# already compute-bound (experiments/distill_slots.py), and each slot holds a KV cache as long as the longest
+# prompt. The slot count never changes a token or a hidden state.
+CPU_SLOTS = 16
+
 STATIC_ROOM = 256  # a static batch's cache is a multiple of this many slots: batches of similar width share graphs
 
 
@@ -153,12 +158,12 @@ def generate_with_hidden(target: LoadedModel, prompts: list[list[int]], max_new_
                          batch_size: int) -> list[Generated]:
     """Greedy continuations and hidden states of `prompts`, in their order.
 
-    On the CPU kernels: `continuous` with batch_size slots (at most 16: past that a pass is compute-bound).
+    On the CPU kernels: `continuous` with batch_size slots (at most CPU_SLOTS).
     Else batch by batch; batches group prompts of similar length, so left padding wastes little of the
     prefill, and the compact model's linears switch to torch for the run (large GEMMs), then back.
     """
     if getattr(target.model, "fused", None) is not None:
-        return continuous(target, prompts, max_new_tokens, min(batch_size, 16), stop=set(target.eos_ids))
+        return continuous(target, prompts, max_new_tokens, min(batch_size, CPU_SLOTS), stop=set(target.eos_ids))
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
     results: list[Generated | None] = [None] * len(prompts)
     use_matmul(target.model, "torch")

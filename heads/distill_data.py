@@ -133,7 +133,7 @@ class DistillSet:
 
 
 def generation_batch(batch_size: int | str, target: LoadedModel, max_new_tokens: int) -> int:
-    """`data.batch_size`: an int as given; `auto`: 64 on the CPU (its kernels batch up to 16 slots anyway);
+    """`data.batch_size`: an int as given; `auto`: 64 on the CPU (its kernels run at most CPU_SLOTS at once);
     on a GPU, 256, halved until a batch's KV cache and hidden states for prompts of up to 1,024 tokens
     take at most half the free device memory (at least 16)."""
     if batch_size != "auto":

@@ -189,7 +189,7 @@ class EagleTrainable:
     needs_hidden = True
 
     def __init__(self, name: str = "eagle", layers: int = 1, kept_vocab: int = 8192, reg_weight: float = 1.0,
-                 kl_weight: float = 1.0, noise: float = 0.1, unroll: int = 2, context: str = "guessed",
+                 kl_weight: float = 0.1, noise: float = 0.1, unroll: int = 2, context: str = "guessed",
                  save_dtype: str = "fp16", layout: str = "specdec", init_from: str | None = None) -> None:
         if layout not in LAYOUTS:
             raise SpecdecError(f"head.layout={layout!r}; use specdec (specdec's own) or eagle1 (EAGLE-1's published "

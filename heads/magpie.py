@@ -32,7 +32,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from heads.batch_generate import continuous, left_padded
+from heads.batch_generate import CPU_SLOTS, continuous, left_padded
 from specdec.engine.sampling import SamplingParams, warp
 from specdec.errors import SpecdecError
 from specdec.models.cpu_linear import use_matmul
@@ -92,7 +92,7 @@ def complete(target: LoadedModel, prefixes: list[list[int]], max_new_tokens: int
             top, ids = torch.topk(logits.cpu(), TOP)
             return int(ids[torch.multinomial(warp(top[None], params), 1, generator=gens[i])[0, 0]])
 
-        rows = [g.continuation for g in continuous(target, prefixes, max_new_tokens, 16, stop, pick)]
+        rows = [g.continuation for g in continuous(target, prefixes, max_new_tokens, CPU_SLOTS, stop, pick)]
         return [row[:-1] if row and row[-1] in stop else row for row in rows]
     model, dev = target.model, target.device
     B, W = len(prefixes), max(map(len, prefixes))

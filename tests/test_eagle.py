@@ -245,7 +245,7 @@ def test_short_training_lowers_loss_and_ships_a_lossless_drafter(tmp_path: Path,
         cfg = compose("train", overrides=[*tiny_train_overrides("eagle", out, tmp_path / "data"),
                                           "train.max_steps=30", "train.lr=3e-3", "head.kept_vocab=128"])
     meta = train(cfg)
-    assert meta["steps"] == 30 and meta["last_loss"] < 0.7 * meta["first_loss"]
+    assert meta["steps"] == 30 and meta["last_loss"] < 0.8 * meta["first_loss"]  # a fifth off in 30 steps
     assert "# eagle for tiny-llama" in (out / "README.md").read_text()
     scfg = group_config("strategy", "eagle")  # composed: its schedule comes from the defaults list
     scfg.drafter.path = str(out)
@@ -260,12 +260,14 @@ def test_short_training_lowers_loss_and_ships_a_lossless_drafter(tmp_path: Path,
 def test_training_loss_is_the_plain_formula(tiny_target: LoadedModel, context: str) -> None:
     """The loss reads the kept rows through head_loss's chunks; its value and gradients are those of the
     plain formula over whole (rows, K) logits: smooth L1 on the guessed feature plus KL(target || drafter),
-    averaged over the unrolled passes, on real (unpadded) pairs only, and under head.context=drafting at
-    pass s only on pairs t >= s - 1, which have real pairs before their guesses."""
+    averaged over the unrolled passes, each weighted as configured (here neither 1 nor the default), on real
+    (unpadded) pairs only, and under head.context=drafting at pass s only on pairs t >= s - 1, which have real
+    pairs before their guesses."""
     import torch.nn.functional as F
 
     torch.manual_seed(0)
-    trainable = EagleTrainable(kept_vocab=0, save_dtype="fp32", noise=0.0, unroll=3, context=context)
+    trainable = EagleTrainable(kept_vocab=0, save_dtype="fp32", noise=0.0, unroll=3, context=context,
+                               reg_weight=0.7, kl_weight=0.3)
     module = trainable.build(tiny_target, None).double()
     B, T, D = 3, 12, tiny_target.hidden_size
     ids = torch.randint(3, tiny_target.vocab_size, (B, T))
@@ -294,7 +296,7 @@ def test_training_loss_is_the_plain_formula(tiny_target: LoadedModel, context: s
         nxt = hidden[:, 1:][keep]
         kl = F.kl_div(F.log_softmax(guess[keep] @ head.T, -1), F.log_softmax(nxt @ head.T, -1), log_target=True,
                       reduction="batchmean")
-        want_loss = want_loss + (F.smooth_l1_loss(guess[keep], nxt) + kl) / 3
+        want_loss = want_loss + (0.7 * F.smooth_l1_loss(guess[keep], nxt) + 0.3 * kl) / 3
     want = torch.autograd.grad(want_loss, params)
     torch.testing.assert_close(loss, want_loss)
     for g, w in zip(got, want):

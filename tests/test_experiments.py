@@ -296,6 +296,16 @@ def test_paired_pools_several_runs_with_one_unit_per_question(tmp_path: Path, mo
     monkeypatch.setattr("sys.argv", ["paired.py", str(tmp_path / "one"), "a", "b"])
     paired.main()
     assert capsys.readouterr().out.startswith("a / b: 2.000 [2.000, 2.000] (better)")
+    # the same pair under other names in the second run: one name per run
+    rows = [json.loads(line) for line in (tmp_path / "two" / "answers.jsonl").read_text().splitlines()]
+    (tmp_path / "two" / "answers.jsonl").write_text("".join(json.dumps(dict(r, strategy=r["strategy"] + "2")) + "\n"
+                                                         for r in rows))
+    monkeypatch.setattr("sys.argv", ["paired.py", str(tmp_path / "one"), str(tmp_path / "two"), "a,a2", "b,b2"])
+    paired.main()
+    assert capsys.readouterr().out.startswith("a,a2 / b,b2: 1.600 [1.333, 2.000] (better, pooled over 2 runs)")
+    monkeypatch.setattr("sys.argv", ["paired.py", str(tmp_path / "one"), str(tmp_path / "two"), "a,a2,a3", "b"])
+    with pytest.raises(SystemExit, match="names 3 strategies for 2 runs"):
+        paired.main()
     monkeypatch.setattr("sys.argv", ["paired.py", str(tmp_path / "one"), str(tmp_path / "none"), "a", "b"])
     with pytest.raises(SystemExit, match="none: no answers.jsonl"):
         paired.main()
