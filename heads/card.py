@@ -54,6 +54,7 @@ def write_card(out_dir: Path, name: str, model: str, meta: dict[str, Any], argv:
         f"(budget {train.get('max_minutes')} min), batch {train.get('batch_size')}, lr {train.get('lr')}, "
         f"sequence length {train.get('seq_len')}, mixed precision {train.get('mixed_precision', 'no')}",
         f"- Loss: first {_fmt(meta.get('first_loss'))}, last {_fmt(meta.get('last_loss'))}",
+        f"- Head: {head_settings(cfg.get('head', {}))}",
         "",
     ]
     if start := cfg.get("head", {}).get("init_from"):  # fine-tuned: the data above add to the start's own
@@ -69,6 +70,13 @@ def write_card(out_dir: Path, name: str, model: str, meta: dict[str, Any], argv:
     path = out_dir / CARD
     path.write_text("\n".join(lines).replace("budget None min", "no time limit"))
     return path
+
+
+def head_settings(head: dict[str, Any]) -> str:
+    """Every `head.*` setting the run used, defaults included: the command names only its overrides, and a
+    default may change later (EAGLE's head.kl_weight did), so the card states the whole recipe."""
+    skip = {"_target_", "name", "init_from"}
+    return " ".join(f"`{k}={v}`" for k, v in head.items() if k not in skip) or "(none)"
 
 
 def gpu_lines(cfg: dict[str, Any], meta: dict[str, Any]) -> list[str]:

@@ -246,7 +246,8 @@ def test_short_training_lowers_loss_and_ships_a_lossless_drafter(tmp_path: Path,
                                           "train.max_steps=30", "train.lr=3e-3", "head.kept_vocab=128"])
     meta = train(cfg)
     assert meta["steps"] == 30 and meta["last_loss"] < 0.8 * meta["first_loss"]  # a fifth off in 30 steps
-    assert "# eagle for tiny-llama" in (out / "README.md").read_text()
+    card = (out / "README.md").read_text()
+    assert "# eagle for tiny-llama" in card and "`reg_weight=1.0` `kl_weight=0.1`" in card  # unnamed defaults too
     scfg = group_config("strategy", "eagle")  # composed: its schedule comes from the defaults list
     scfg.drafter.path = str(out)
     strategy = instantiate(scfg)(target=tiny_target, max_len=512, prefill_chunk=64)

@@ -107,6 +107,7 @@ def test_short_training_lowers_loss_and_ships_a_usable_draft(tmp_path: Path, dat
     assert "# draft for tiny-llama" in card and "30 steps" in card and "python -m heads.train" in card
     assert f"last {meta['last_loss']:.4g}" in card
     assert "generated in fp32" in card and "mixed precision no" in card
+    assert "`kept_vocab=128`" in card and "`kl_weight=" in card  # the head's whole recipe, defaults included
     assert f"- Machine: {cpu_name()}, " in card  # the CPU's name: speedups differ between the machines
     draft = load_draft(str(out))
     net = draft.bind(tiny_target)
