@@ -7,7 +7,8 @@ guess of h_{t+1}. The target's own (frozen) output head, cut to the `kept_vocab`
 turns that guess into the distribution of x_{t+2}. Drafting further feeds the guessed feature back
 in place of the target's, so training adds noise to the target's features to make the drafter robust
 to its own errors (EAGLE's remedy). The loss regresses the feature (smooth L1) and matches the
-target's distribution (KL), at every position, prompts included; the head is read in chunks
+target's distribution (KL, by default at a tenth of the regression's weight, as the EAGLE paper weights
+them), at every position, prompts included; the head is read in chunks
 (heads/head_loss.py), the target's distribution once a step for every unrolled pass.
 
 Two layouts (`head.layout`, saved as eagle.json's `layout`; checkpoints without it are `specdec`):
