@@ -195,7 +195,11 @@ def test_products_over_panels_equal_blas_over_the_dense_matrix_bitwise(kind: str
         with monkeypatch.context() as m:
             m.setattr(cpu_kernels, "BLOCK_BYTES", 4 * n_in * 256)  # GEMMs of 256 columns
             got = cpu_kernels.matmul_panels(x, panels, n_out)
-        per_block = np.concatenate([x @ np.ascontiguousarray(dense[s:s + 256].T) for s in range(0, n_out, 256)], 1)
+        if n_out * n_in <= cpu_kernels.SMALL_MATRIX:  # never blocked: one GEMM over W, as `want`
+            per_block = want
+        else:  # blocks of W^T's columns from row-major memory, as unpack_t lays them out
+            per_block = np.concatenate([x @ np.ascontiguousarray(dense[s:s + 256].T)
+                                        for s in range(0, n_out, 256)], 1)
         assert np.array_equal(got, per_block), (rows, "blocks")
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4)
 
